@@ -1,0 +1,24 @@
+"""torch.fx passes of tome_compile (installed as ``tome_compile.passes``)."""
+
+from __future__ import annotations
+
+from tome_compile.passes.merge_self_attention import (
+    DST_KEY_INPUT,
+    IMPORTANCE_INPUT,
+    PARTITION_INPUT,
+    ToMeResult,
+    ToMeSite,
+    merge_self_attention,
+)
+from tome_compile.passes.sites import AttentionSite, find_attention_sites
+
+__all__ = [
+    "AttentionSite",
+    "DST_KEY_INPUT",
+    "IMPORTANCE_INPUT",
+    "PARTITION_INPUT",
+    "ToMeResult",
+    "ToMeSite",
+    "find_attention_sites",
+    "merge_self_attention",
+]

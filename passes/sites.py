@@ -1,0 +1,244 @@
+"""Find the attention sites of a traced U-Net: checks only, no rewriting.
+
+Find by structure, scope by module path, decide by shape (STYLE.md habit 2):
+
+* an attention op (SDPA, or the classic ``baddbmm -> softmax -> bmm`` of diffusers'
+  ``AttnProcessor``) whose q, k and v are linear projections of one tensor is self-attention;
+  k/v projected from another tensor (``encoder_hidden_states``) is cross-attention;
+* ``node.meta["nn_module_stack"]`` gives the attention module's region
+  (``down_blocks.0.attentions.0.transformer_blocks.0.attn1``): its input is the tensor that feeds
+  the projections, its output is the one node that leaves the region (to_out, before the
+  residual add);
+* token counts come from shape metadata (``example_value`` from Dynamo, ``val`` from
+  torch.export).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = [
+    "AttentionSite", "block_grid", "find_attention_sites", "latent_size", "module_path", "node_shape",
+    "norm_input", "region_exits", "region_nodes",
+]
+
+# Recognised op variants, one table: Dynamo (torch level) -> torch.export (aten level).
+_SDPA_OPS: set[Any] = {
+    torch._C._nn.scaled_dot_product_attention,  # Dynamo: F.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention,
+    torch.ops.aten.scaled_dot_product_attention.default,  # torch.export
+}
+_LINEAR_OPS: set[Any] = {
+    torch._C._nn.linear,  # Dynamo: F.linear / nn.Linear
+    torch.nn.functional.linear,
+    torch.ops.aten.linear.default,  # torch.export
+}
+_BMM_OPS: set[Any] = {torch.bmm, torch.ops.aten.bmm.default}  # classic AttnProcessor: probs @ v
+_BADDBMM_OPS: set[Any] = {torch.baddbmm, torch.ops.aten.baddbmm.default}  # classic: q @ k^T
+_SOFTMAX_OPS: set[Any] = {torch.softmax, torch.nn.functional.softmax, torch.ops.aten.softmax.int,
+                          torch.ops.aten._softmax.default}
+_CONV_OPS: set[Any] = {torch.conv2d, torch.nn.functional.conv2d, torch.ops.aten.conv2d.default,
+                       torch.ops.aten.convolution.default}
+_LAYER_NORM_OPS: set[Any] = {torch.nn.functional.layer_norm, torch.layer_norm,
+                             torch.ops.aten.layer_norm.default}
+# Shape-only ops that q/k/v pass through between the projection and the attention op.
+_PASSTHROUGH_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "to", "float",
+                        "half", "bfloat16", "flatten", "unflatten", "__getitem__"}
+_PASSTHROUGH_FUNCS: set[Any] = {
+    torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.Tensor.contiguous,
+    torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.transpose.int,
+    torch.ops.aten.permute.default, torch.ops.aten.contiguous.default, torch.ops.aten.clone.default,
+    torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.expand.default,
+    torch.ops.aten.unsqueeze.default, torch.ops.aten.t.default, operator.getitem,
+}
+
+
+def node_shape(node: Any) -> tuple[Any, ...] | None:
+    """Shape of a node's value from Dynamo (``example_value``) or export (``val``) metadata."""
+    if not isinstance(node, fx.Node):
+        return None
+    value = node.meta.get("example_value", node.meta.get("val"))
+    shape = getattr(value, "shape", None)
+    return tuple(shape) if shape is not None else None
+
+
+def _static(shape: tuple[Any, ...] | None) -> bool:
+    return shape is not None and all(isinstance(d, int) for d in shape)
+
+
+_DYNAMO_PREFIX = re.compile(r"^L\['self'\]\.?")
+_DYNAMO_MODULES = re.compile(r"\.?__dict__\['_modules'\]\['([^']+)'\]")
+_DYNAMO_INDEX = re.compile(r"\[(\d+)\]|\['([^']+)'\]")
+
+
+def _normalise_path(raw: str) -> str:
+    path = _DYNAMO_PREFIX.sub("", raw)
+    path = _DYNAMO_MODULES.sub(r".\1", path)
+    path = _DYNAMO_INDEX.sub(lambda m: "." + (m.group(1) or m.group(2)), path)
+    return path.strip(".").replace("..", ".")
+
+
+def module_path(node: fx.Node) -> str:
+    """The innermost module that produced ``node``, as diffusers names it ('' when unknown)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    raw = list(stack.values())[-1]
+    raw = raw[0] if isinstance(raw, tuple) else raw
+    return _normalise_path(str(raw))
+
+
+def _is_call(node: Any, ops: set[Any]) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in ops
+
+
+def _projection_of(node: Any) -> fx.Node | None:
+    """Walk back through shape-only ops to the linear projection that produced ``node``."""
+    for _ in range(16):
+        if not isinstance(node, fx.Node):
+            return None
+        if _is_call(node, _LINEAR_OPS):
+            return node
+        if node.op == "call_method" and node.target in _PASSTHROUGH_METHODS:
+            node = node.args[0]
+        elif node.op == "call_function" and node.target in _PASSTHROUGH_FUNCS:
+            node = node.args[0]
+        else:
+            return None
+    return None
+
+
+def _softmax_input(node: Any) -> Any:
+    """For the classic form: probs (after optional casts) -> softmax -> baddbmm(q, k^T)."""
+    for _ in range(4):
+        if not isinstance(node, fx.Node):
+            return None
+        if _is_call(node, _SOFTMAX_OPS) or (node.op == "call_method" and node.target == "softmax"):
+            return node.args[0]
+        if node.op == "call_method" and node.target in ("to", "float", "half", "bfloat16"):
+            node = node.args[0]
+        elif _is_call(node, {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype}):
+            node = node.args[0]
+        else:
+            return None
+    return None
+
+
+def _qkv(node: fx.Node) -> tuple[Any, Any, Any, str] | None:
+    """(q, k, v, form) of an attention op, or None if ``node`` is not one."""
+    if _is_call(node, _SDPA_OPS):
+        q, k, v = (list(node.args) + [node.kwargs.get(n) for n in ("query", "key", "value")])[:3]
+        return q, k, v, "sdpa"
+    if _is_call(node, _BMM_OPS):
+        scores = _softmax_input(node.args[0])
+        if _is_call(scores, _BADDBMM_OPS):
+            return scores.args[1], scores.args[2], node.args[1], "classic"
+        if _is_call(scores, _BMM_OPS):
+            return scores.args[0], scores.args[1], node.args[1], "classic"
+    return None
+
+
+@dataclass
+class AttentionSite:
+    """One attention op in the graph, with the edges of its module region.
+
+    ``input`` is the tensor the q (and for self-attention k, v) projections read; ``output`` is
+    the single node that leaves the region; ``tokens`` is the query token count ``N``.
+    """
+
+    path: str
+    kind: str  # "self-attention" | "cross-attention"
+    form: str  # "sdpa" | "classic"
+    anchor: fx.Node
+    input: fx.Node
+    output: fx.Node | None
+    nodes: list[fx.Node] = field(default_factory=list)
+    tokens: int | None = None
+    problem: str | None = None
+
+    @property
+    def block_path(self) -> str:
+        return self.path.rsplit(".", 1)[0] if "." in self.path else ""
+
+
+def region_nodes(graph: fx.Graph, path: str) -> list[fx.Node]:
+    """Nodes produced inside module ``path`` (or its children), in graph order."""
+    prefix = path + "."
+    return [
+        n for n in graph.nodes
+        if n.op not in ("placeholder", "output", "get_attr")
+        and (module_path(n) == path or module_path(n).startswith(prefix))
+    ]
+
+
+def region_exits(nodes: list[fx.Node]) -> list[fx.Node]:
+    """Nodes of a region used outside it (a well-formed region has exactly one)."""
+    inside = set(nodes)
+    return [n for n in nodes if any(u not in inside for u in n.users)]
+
+
+def find_attention_sites(gm: fx.GraphModule) -> list[AttentionSite]:
+    """Every attention op of ``gm`` in execution order, classified, with its region."""
+    sites: list[AttentionSite] = []
+    for node in gm.graph.nodes:
+        qkv = _qkv(node)
+        if qkv is None:
+            continue
+        q, k, v, form = qkv
+        pq, pk, pv = (_projection_of(t) for t in (q, k, v))
+        path = module_path(node)
+        if pq is None or pk is None or pv is None:
+            problem = "q/k/v are not linear projections"
+            sites.append(AttentionSite(path, "unknown", form, node, node, None, problem=problem))
+            continue
+        source = pq.args[0]
+        kind = "self-attention" if pk.args[0] is source and pv.args[0] is source else "cross-attention"
+        nodes = region_nodes(gm.graph, path) if path else []
+        exits = region_exits(nodes)
+        shape = node_shape(source)
+        tokens = shape[1] if shape is not None and len(shape) == 3 else None
+        site = AttentionSite(path, kind, form, node, source, exits[0] if len(exits) == 1 else None,
+                             nodes, tokens if isinstance(tokens, int) else None)
+        if not path:
+            site.problem = "no nn_module_stack metadata to scope the region"
+        elif len(exits) != 1:
+            site.problem = f"module region has {len(exits)} outputs, expected 1"
+        elif shape is None or len(shape) != 3:
+            site.problem = f"attention input has shape {shape}, expected [B, N, C]"
+        elif not _static(shape):
+            site.problem = f"symbolic token count {shape[1]}"
+        sites.append(site)
+    return sites
+
+
+def latent_size(gm: fx.GraphModule) -> tuple[int, int] | None:
+    """Spatial size (h, w) of the latent: the input of the first convolution (``conv_in``)."""
+    for node in gm.graph.nodes:
+        if _is_call(node, _CONV_OPS):
+            shape = node_shape(node.args[0])
+            if shape is not None and len(shape) == 4 and _static(shape[2:]):
+                return int(shape[2]), int(shape[3])
+            return None
+    return None
+
+
+def block_grid(latent_hw: tuple[int, int], tokens: int) -> tuple[int, int, int]:
+    """tomesd's rule: ``downsample = ceil(sqrt(N_latent // N))``, grid = ceil(latent / downsample)."""
+    lh, lw = latent_hw
+    downsample = int(math.ceil(math.sqrt((lh * lw) // tokens))) if tokens > 0 else 0
+    downsample = max(downsample, 1)
+    return downsample, int(math.ceil(lh / downsample)), int(math.ceil(lw / downsample))
+
+
+def norm_input(node: fx.Node) -> fx.Node | None:
+    """The tensor a layer norm normalises (the block input ``x`` of ``norm1(x)``), or None."""
+    if _is_call(node, _LAYER_NORM_OPS) and isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    return None

@@ -1,0 +1,132 @@
+"""The one configuration object: :class:`ToMeConfig` (tomesd's names and defaults)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tome_compile.errors import ToMeConfigError
+
+__all__ = ["ToMeConfig", "METHODS"]
+
+METHODS = ("tome", "importance")
+_MAX_DOWNSAMPLE = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class ToMeConfig:
+    """What to merge, and how much.
+
+    Args:
+        ratio: share of the tokens of each rewritten block that is merged away. The most is
+            ``1 - 1/(sx*sy)`` (0.75 with the default stride); 0.5 or less is recommended (tomesd).
+            ``0`` leaves the graph untouched.
+        max_downsample: rewrite blocks with at most this much downsampling (1, 2, 4 or 8).
+            1 = only the highest-resolution blocks (4096 tokens at SD 1.5 512²). SDXL has no
+            attention at full resolution: use 2 there.
+        sx, sy: stride of the destination grid: one destination per ``sx × sy`` cell.
+        use_rand: pick each cell's destination at random (the same pick for the whole batch);
+            off = always the top-left token of each cell.
+        merge_attn, merge_crossattn, merge_mlp: merge before self-attention (recommended),
+            cross-attention (not recommended), the feed-forward (very not recommended).
+        seed: seed of the dedicated generator that draws the destination partition; ``None``
+            seeds it from the OS (the global torch RNG is never read nor advanced).
+        method: ``"tome"`` (ToMe for SD) or ``"importance"`` (keep the tokens with the largest
+            classifier-free-guidance magnitude; falls back to ``"tome"`` on steps without a map).
+        pool_factor: importance only: the important pool holds ``int((N - r) * pool_factor)``
+            tokens.
+        dst_fraction: importance only: ``int(N * dst_fraction)`` destinations are drawn from
+            the pool.
+    """
+
+    ratio: float = 0.5
+    max_downsample: int = 1
+    sx: int = 2
+    sy: int = 2
+    use_rand: bool = True
+    merge_attn: bool = True
+    merge_crossattn: bool = False
+    merge_mlp: bool = False
+    seed: int | None = None
+    method: Literal["tome", "importance"] = "tome"
+    pool_factor: float = 1.4
+    dst_fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        for reason in self.problems():
+            raise ToMeConfigError(reason)
+
+    def problems(self) -> list[str]:
+        """Every invalid value, one sentence each (value, limit, fix); empty when valid."""
+        out: list[str] = []
+        for name in ("sx", "sy", "max_downsample"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                out.append(f"{name}={value!r} must be an int")
+        for name in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp"):
+            if not isinstance(getattr(self, name), bool):
+                out.append(f"{name}={getattr(self, name)!r} must be True or False")
+        if out:
+            return out
+        if self.sx < 1 or self.sy < 1:
+            out.append(f"sx={self.sx}, sy={self.sy}: the destination stride must be >= 1 in both directions")
+            return out
+        if self.max_downsample not in _MAX_DOWNSAMPLE:
+            out.append(
+                f"max_downsample={self.max_downsample} is not one of {_MAX_DOWNSAMPLE}; "
+                "use 1 (highest-resolution blocks only) or 2 (SDXL)"
+            )
+        limit = 1.0 - 1.0 / (self.sx * self.sy)
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
+            out.append(f"ratio={self.ratio!r} must be a number in [0, {limit:g}]")
+        elif not (0.0 <= self.ratio <= limit):
+            out.append(
+                f"ratio={self.ratio} is outside [0, 1 - 1/(sx*sy)] = [0, {limit:g}] for sx={self.sx}, "
+                f"sy={self.sy}; pick a ratio in that range (<= 0.5 recommended) or a larger stride"
+            )
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            out.append(f"seed={self.seed!r} must be an int or None")
+        if self.method not in METHODS:
+            out.append(f"method={self.method!r} is unknown; use one of {METHODS}")
+        if not (isinstance(self.pool_factor, (int, float)) and self.pool_factor >= 1.0):
+            out.append(f"pool_factor={self.pool_factor!r} must be a number >= 1 (default 1.4)")
+        if not (isinstance(self.dst_fraction, (int, float)) and 0.0 < self.dst_fraction < 1.0):
+            out.append(f"dst_fraction={self.dst_fraction!r} must be in (0, 1) (default 0.25)")
+        if (
+            not out
+            and self.method == "importance"
+            and (1.0 - self.ratio) * self.pool_factor < self.dst_fraction
+        ):
+            most = 1.0 - self.dst_fraction / self.pool_factor
+            out.append(
+                f"ratio={self.ratio} leaves a pool of (1 - ratio) * pool_factor = "
+                f"{(1.0 - self.ratio) * self.pool_factor:.3f} of the tokens, smaller than "
+                f"dst_fraction={self.dst_fraction}; with these settings ratio must be <= {most:.3f}, "
+                "or raise pool_factor / lower dst_fraction"
+            )
+        return out
+
+    @property
+    def enabled(self) -> bool:
+        """False when nothing would be rewritten (ratio 0 or every merge target off)."""
+        return self.ratio > 0 and (self.merge_attn or self.merge_crossattn or self.merge_mlp)
+
+    def replace(self, **changes: Any) -> ToMeConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_options(cls, ratio: float | ToMeConfig | None = None, **options: Any) -> ToMeConfig:
+        """Build from ``tome_backend``-style arguments; unknown option names are an error."""
+        if isinstance(ratio, ToMeConfig):
+            return ratio.replace(**options) if options else ratio
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ToMeConfigError(
+                f"unknown option(s) {unknown}; valid options are {sorted(names)}"
+            )
+        if ratio is not None:
+            options["ratio"] = ratio
+        return cls(**options)

@@ -1,0 +1,235 @@
+"""Merge math as pure tensor functions (ToMe for SD, importance-based, and the benchmark oracle).
+
+Every function has fixed output shapes given its static arguments (``h, w, sx, sy, r``): no
+``.item()``, no host syncs, no data-dependent sizes, no Python loop over the batch or the tokens.
+The same functions run in eager mode, under inductor and in ONNX Runtime (through the exporter).
+
+A *plan* is two tensors that describe one merge for one block call:
+
+* ``slot``   ``[B, N]`` int64 — for every token, the output slot it goes to (``0 <= slot < N - r``);
+* ``weight`` ``[B, N - r, 1]`` — ``1 / (number of tokens in the slot)``.
+
+``merge(x) = segment_mean(x, slot)`` and ``unmerge(y) = y.gather(slot)``: a merged source copies
+its destination's value back, kept tokens go back to their position (Bolya & Hoffman 2023, eq. 1-2).
+The slots are laid out like tomesd's merge output: ``[kept sources (by descending score) | destinations]``.
+
+The segment mean is a ``scatter_add`` of values and a multiply by precomputed ``1/count``; ONNX's
+``ScatterElements`` has no mean reduction and the torch exporter silently turns
+``scatter_reduce("mean")`` into an overwrite, so that op is never used here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "destination_partition",
+    "tome_plan",
+    "importance_plan",
+    "merge_tokens",
+    "unmerge_tokens",
+    "oracle_merge",
+    "oracle_unmerge",
+    "partition_cells",
+]
+
+
+def partition_cells(h: int, w: int, sx: int, sy: int) -> int:
+    """Number of destination cells (one destination each) of an ``h × w`` grid."""
+    return (h // sy) * (w // sx)
+
+
+def destination_partition(
+    choice: torch.Tensor | None, h: int, w: int, sx: int, sy: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split the ``h × w`` grid into destinations (one per ``sx × sy`` cell) and sources.
+
+    Args:
+        choice: ``[(h // sy) * (w // sx)]`` int64 in ``[0, sx*sy)``: which token of each cell is
+            its destination (row-major inside the cell, as tomesd's ``randint(sy*sx)``); ``None``
+            picks the top-left token (tomesd's ``use_rand=False``). Leftover rows/columns of a grid
+            that the stride does not divide are always sources (as tomesd).
+    Returns:
+        ``(dst_idx [Nd], src_idx [N - Nd])``, token indices, each in ascending order.
+    """
+    hsy, wsx = h // sy, w // sx
+    n = h * w
+    cells_y = torch.arange(hsy, device=device).view(hsy, 1) * sy
+    cells_x = torch.arange(wsx, device=device).view(1, wsx) * sx
+    if choice is None:
+        choice = torch.zeros(hsy * wsx, dtype=torch.int64, device=device)
+    choice = choice.view(hsy, wsx).to(device=device, dtype=torch.int64)
+    dst_tokens = ((cells_y + choice // sx) * w + cells_x + choice % sx).reshape(-1)
+    is_src = torch.ones(n, dtype=torch.int64, device=device).scatter(0, dst_tokens, 0)
+    # Unique keys (destinations first, then sources, each by token index): any sort, in any
+    # backend, returns the same order. ONNX TopK and torch.sort break ties differently.
+    order = torch.argsort(is_src * n + torch.arange(n, device=device))
+    nd = hsy * wsx
+    return order[:nd], order[nd:]
+
+
+def _plan_from_matches(
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    edge_order: torch.Tensor,
+    best_dst: torch.Tensor,
+    r: int,
+    n: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots from a ranking of the sources.
+
+    Args:
+        src_idx: ``[B, Ns]`` or ``[Ns]`` token index of each source.
+        dst_idx: ``[B, Nd]`` or ``[Nd]`` token index of each destination.
+        edge_order: ``[B, Ns]`` source positions, the ``r`` to merge first, then the kept ones
+            in output order.
+        best_dst: ``[B, Ns]`` destination position each source would merge into.
+    """
+    b, ns = edge_order.shape
+    nd = dst_idx.shape[-1]
+    kept = ns - r
+    device = edge_order.device
+    arange_ns = torch.arange(ns, device=device).expand(b, ns)
+    rank = torch.empty_like(edge_order).scatter(1, edge_order, arange_ns)
+    slot_src = torch.where(rank < r, kept + best_dst, rank - r)
+    slot_dst = (kept + torch.arange(nd, device=device)).expand(b, nd)
+    tokens = torch.cat([dst_idx.expand(b, nd), src_idx.expand(b, ns)], dim=1)
+    slot = torch.empty(b, n, dtype=torch.int64, device=device).scatter(
+        1, tokens, torch.cat([slot_dst, slot_src], dim=1)
+    )
+    count = torch.zeros(b, n - r, dtype=dtype, device=device).scatter_add(
+        1, slot, torch.ones(b, n, dtype=dtype, device=device)
+    )
+    return slot, count.reciprocal().unsqueeze(-1)
+
+
+def _cosine_matches(
+    metric: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best destination of each source by cosine similarity: ``(score [B, Ns], dst [B, Ns])``."""
+    unit = metric / metric.norm(dim=-1, keepdim=True)
+    if src_idx.dim() == 1:
+        a = unit.index_select(1, src_idx)
+        b = unit.index_select(1, dst_idx)
+    else:
+        c = unit.shape[-1]
+        a = unit.gather(1, src_idx.unsqueeze(-1).expand(-1, -1, c))
+        b = unit.gather(1, dst_idx.unsqueeze(-1).expand(-1, -1, c))
+    return (a @ b.transpose(-1, -2)).max(dim=-1)
+
+
+def tome_plan(
+    metric: torch.Tensor,
+    choice: torch.Tensor | None,
+    h: int,
+    w: int,
+    sx: int,
+    sy: int,
+    r: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ToMe for SD: bipartite soft matching with a random ``sx × sy`` destination grid.
+
+    Args:
+        metric: ``[B, N, C]`` block input (``N = h * w``), the similarity metric.
+        choice: see :func:`destination_partition`; shared by the whole batch.
+        r: tokens to merge away; capped at the number of sources (as tomesd).
+    Returns:
+        the plan ``(slot [B, N], weight [B, N - r, 1])``.
+    """
+    b, n, _ = metric.shape
+    with torch.no_grad():
+        dst_idx, src_idx = destination_partition(choice, h, w, sx, sy, metric.device)
+        r = min(r, src_idx.shape[0])
+        score, best = _cosine_matches(metric, src_idx, dst_idx)
+        # Stable sort = ties broken by the lower source index, as ONNX TopK does.
+        edge_order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+        return _plan_from_matches(src_idx, dst_idx, edge_order, best, r, n, metric.dtype)
+
+
+def importance_plan(
+    metric: torch.Tensor,
+    importance: torch.Tensor,
+    dst_key: torch.Tensor | None,
+    h: int,
+    w: int,
+    r: int,
+    pool_factor: float,
+    dst_fraction: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance-based merging (Wu et al. 2025): keep the tokens the guidance says matter.
+
+    Args:
+        metric: ``[B, N, C]`` block input.
+        importance: ``[P, h, w]`` importance per token for each of the ``P`` CFG pairs of the
+            batch (``B = 2P``, halves ``[uncond; cond]``), already fitted to the block grid.
+            Only ranks matter.
+        dst_key: ``[P, M]`` random keys in ``[0, 1)``; each pair's destinations are the pool
+            members with the ``int(N * dst_fraction)`` smallest keys (a uniform random subset).
+            ``None`` takes the most important members of the pool (deterministic).
+    Returns:
+        the plan ``(slot [B, N], weight [B, N - r, 1])``; both halves of a pair share it.
+
+    Method: pool = top ``M = min(int((N - r) * pool_factor), N)`` tokens by importance;
+    destinations are drawn from the pool; every other token is a source and takes its most
+    similar destination. Every unimportant source is merged; the remaining merges go to the most
+    similar important sources; the important sources left over stay independent.
+    """
+    b, n, _ = metric.shape
+    p = importance.shape[0]
+    m = min(int((n - r) * pool_factor), n)
+    nd = int(n * dst_fraction)
+    ns = n - nd
+    r = min(r, ns)
+    with torch.no_grad():
+        device = metric.device
+        imp = importance.reshape(p, n).to(torch.float32)
+        # Unique keys: importance rank, ties by token index (every backend picks the same pool).
+        by_importance = torch.sort(imp, dim=-1, descending=True, stable=True).indices  # [P, N]
+        pool = by_importance[:, :m]
+        if dst_key is None:
+            pick = torch.arange(nd, device=device).expand(p, nd)
+        else:
+            pick = torch.sort(dst_key.to(torch.float32), dim=-1, stable=True).indices[:, :nd]
+        dst_tok = pool.gather(1, pick)  # [P, Nd]
+        is_dst = torch.zeros(p, n, dtype=torch.int64, device=device).scatter(1, dst_tok, 1)
+        in_pool = torch.zeros(p, n, dtype=torch.int64, device=device).scatter(1, pool, 1)
+        arange_n = torch.arange(n, device=device).expand(p, n)
+        # Destinations first (by token index), then sources (by token index).
+        order = torch.argsort((1 - is_dst) * n + arange_n, dim=-1)
+        dst_idx, src_idx = order[:, :nd], order[:, nd:]
+        # One plan per pair, shared by its uncond and cond halves: compute on the pair's mean
+        # metric? No: tomesd and the official code match on each image's own metric but with a
+        # shared partition. Match per image, with the pair's partition repeated.
+        dst_b = dst_idx.repeat(2, 1)
+        src_b = src_idx.repeat(2, 1)
+        score, best = _cosine_matches(metric, src_b, dst_b)
+        unimportant = 1 - in_pool.gather(1, src_idx).repeat(2, 1)  # [B, Ns]
+        # Unimportant sources rank first (+2 > any cosine), then important ones by similarity.
+        key = score + 2.0 * unimportant.to(score.dtype)
+        edge_order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+        return _plan_from_matches(src_b, dst_b, edge_order, best, r, n, metric.dtype)
+
+
+def merge_tokens(x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``[B, N, C] -> [B, N - r, C]``: the mean of the tokens of each slot."""
+    b, n, c = x.shape
+    out = torch.zeros(b, weight.shape[1], c, dtype=x.dtype, device=x.device)
+    out = out.scatter_add(1, slot.unsqueeze(-1).expand(b, n, c), x)
+    return out * weight.to(x.dtype)
+
+
+def unmerge_tokens(y: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """``[B, N - r, C] -> [B, N, C]``: every token takes its slot's value."""
+    b, n = slot.shape
+    return y.gather(1, slot.unsqueeze(-1).expand(b, n, y.shape[-1]))
+
+
+def oracle_merge(x: torch.Tensor, r: int) -> torch.Tensor:
+    """Benchmark bound: the first ``N - r`` tokens, for free (no similarity, no scatter)."""
+    return x[:, : x.shape[1] - r]
+
+
+def oracle_unmerge(y: torch.Tensor, r: int) -> torch.Tensor:
+    """Benchmark bound: back to ``N`` tokens by repeating the first ``r`` (a plain copy)."""
+    return torch.cat([y, y[:, :r]], dim=1)
