@@ -154,6 +154,7 @@ class _Planned:
     w: int
     downsample: int
     targets: list[tuple[fx.Node, fx.Node, list[fx.Node], str]]  # (input, output, region, name)
+    classic: set[str] = field(default_factory=set)  # target names whose reshapes bake N in
 
 
 def merge_self_attention(
@@ -256,7 +257,8 @@ def merge_self_attention(
             skip(site, "merge_attn, merge_crossattn and merge_mlp are all off", grid=(h, w),
                  downsample=downsample)
             continue
-        planned.append(_Planned(site, metric, n, r, h, w, downsample, targets))
+        classic = {_short(s.path, block) for s in found if s.block_path == block and s.form == "classic"}
+        planned.append(_Planned(site, metric, n, r, h, w, downsample, targets, classic))
 
     del by_path
     if not config.enabled or not planned:
@@ -279,6 +281,7 @@ def merge_self_attention(
         rand_note = ""
 
     original = copy.deepcopy(gm.graph) if validate else None
+    skipped_rows = list(report)
     result = _rewrite(gm, config, planned, use_rand, oracle, rand_note, report, latent, batch)
     if validate:
         error = _check(gm)
@@ -298,7 +301,7 @@ def merge_self_attention(
                 else:
                     failures[plan.site.path] = err
             gm.graph = copy.deepcopy(original)
-            report = [r for r in report if r.path not in failures]
+            report = list(skipped_rows)
             for path, err in failures.items():
                 site = next(p.site for p in planned if p.site.path == path)
                 report.append(ToMeSite(path, site.kind, site.tokens, None, None, None, False,
@@ -329,7 +332,7 @@ def _remap(plan: _Planned, graph: fx.Graph, original: fx.Graph | None) -> _Plann
     targets = [(names[i.name], names[o.name], [names[n.name] for n in region], t)
                for i, o, region, t in plan.targets]
     return _Planned(site, names[plan.metric.name], plan.n, plan.r, plan.h, plan.w, plan.downsample,
-                    targets)
+                    targets, plan.classic)
 
 
 def _rewrite(
@@ -381,7 +384,8 @@ def _rewrite(
             for user in list(x_in.users):
                 if user in inside:
                     user.replace_input_with(x_in, merged)
-            _replace_literal_tokens(region, plan.n, n_after)
+            if name in plan.classic:
+                _replace_literal_tokens(region, plan.n, n_after)
             with graph.inserting_before(out.next):
                 if oracle:
                     un = graph.call_function(_merge.oracle_unmerge, (out, plan.r))

@@ -115,14 +115,10 @@ class ToMeBackend:
         if not self.config.enabled:
             return self._compile(gm, example_inputs)
         if not all(_is_static(x) for x in example_inputs):
-            result = ToMeResult(gm, False, [])
-            self.reports.append(result)
-            message = ("ToMe skipped a graph with symbolic shapes (Dynamo went dynamic after a "
-                       "shape change); compile with torch.compile(..., dynamic=False) to get one "
-                       "static graph per resolution")
-            logger.warning("%s", message)
-            warnings.warn(message, ToMeWarning, stacklevel=2)
-            return self._compile(gm, example_inputs)
+            return _Specializing(self, gm, example_inputs)
+        return self._compile_static(gm, example_inputs)
+
+    def _compile_static(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         # Rewrite a copy: Dynamo keeps using its own graph afterwards.
         rewritten = fx.GraphModule(gm, copy.deepcopy(gm.graph))
         result = merge_self_attention(rewritten, self.config, oracle=self.oracle)
@@ -162,6 +158,59 @@ class ToMeBackend:
             return compiled(*args, sampler.draw(cells, choices, device))
 
         return run
+
+
+class _Specializing:
+    """A graph with symbolic shapes (Dynamo went dynamic after a resolution change).
+
+    Token counts decide which blocks merge and how many tokens; they must be static. So this
+    callable specialises: for each new concrete shape it re-traces the graph at that shape
+    (``make_fx``, pre-dispatch, keeping ``nn_module_stack``), rewrites and compiles it, and caches
+    the result. Dynamo sees one graph and does not recompile; each resolution is compiled once.
+    """
+
+    def __init__(self, backend: ToMeBackend, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+        self.backend = backend
+        self.gm = gm
+        self.symbolic = [i for i, x in enumerate(example_inputs) if not _is_static(x)]
+        self.cache: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        logger.info("ToMe: graph with symbolic shapes; specialising per resolution")
+
+    def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
+        return tuple(tuple(args[i].shape) if isinstance(args[i], torch.Tensor) else args[i]
+                     for i in self.symbolic)
+
+    def __call__(self, *args: Any) -> Any:
+        key = self._key(args)
+        fn = self.cache.get(key)
+        if fn is None:
+            fn = self.cache[key] = self._specialise(args)
+        return fn(*args)
+
+    def _specialise(self, args: Sequence[Any]) -> Callable[..., Any]:
+        import torch.fx.traceback as fx_traceback
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        gm = self.gm
+
+        def run(*a: Any) -> Any:
+            with fx_traceback.preserve_node_meta():
+                return torch.fx.Interpreter(gm).run(*a)
+
+        with torch.no_grad():
+            static = make_fx(run, tracing_mode="fake", pre_dispatch=True)(*args)
+        mode = _fake_mode_of(static)
+        examples = [mode.from_tensor(a) if isinstance(a, torch.Tensor) and mode is not None else a
+                    for a in args]
+        return self.backend._compile_static(static, examples)
+
+
+def _fake_mode_of(gm: fx.GraphModule) -> Any:
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and hasattr(value, "fake_mode"):
+            return value.fake_mode
+    return None
 
 
 def tome_backend(ratio: float | ToMeConfig = 0.5, *, compiler: str | CompilerFn = "inductor",

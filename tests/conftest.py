@@ -1,0 +1,100 @@
+"""Tiny U-Nets that keep diffusers' real module paths (down_blocks.0.attentions.0...attn1)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from tome_compile.models import build_unet, example_inputs
+
+TINY_SD15: dict[str, Any] = dict(
+    sample_size=16, in_channels=4, out_channels=4, block_out_channels=(32, 64),
+    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    layers_per_block=1, cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8,
+)
+# SD 2.x: linear projections in/out of the transformer, a head dim per block.
+TINY_SD2: dict[str, Any] = dict(
+    sample_size=16, in_channels=4, out_channels=4, block_out_channels=(32, 64, 64),
+    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    layers_per_block=1, cross_attention_dim=24, attention_head_dim=(2, 4, 4), norm_num_groups=8,
+    use_linear_projection=True,
+)
+# SDXL: no attention at full resolution, several transformer layers per block, text_time embeds.
+TINY_SDXL: dict[str, Any] = dict(
+    sample_size=16, in_channels=4, out_channels=4, block_out_channels=(32, 64, 64),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    layers_per_block=1, transformer_layers_per_block=(1, 2, 2), cross_attention_dim=32,
+    attention_head_dim=(2, 4, 4), norm_num_groups=8, use_linear_projection=True,
+    addition_embed_type="text_time", addition_time_embed_dim=8,
+    projection_class_embeddings_input_dim=16 + 6 * 8,
+)
+TINY = {"sd15": TINY_SD15, "sd2": TINY_SD2, "sdxl": TINY_SDXL}
+
+
+def tiny_unet(kind: str = "sd15", seed: int = 0) -> torch.nn.Module:
+    return build_unet(dict(TINY[kind]), seed=seed)
+
+
+def tiny_inputs(unet: torch.nn.Module, batch: int = 2, hw: tuple[int, int] = (16, 16), seed: int = 0):
+    """Inputs for a latent of ``hw`` (the tiny models are latent-space: image = 8 × latent)."""
+    return example_inputs(unet, batch=batch, height=hw[0] * 8, width=hw[1] * 8, seq_len=7, seed=seed)
+
+
+def call(model: Callable[..., Any], inputs: Any) -> torch.Tensor:
+    kwargs = inputs.kwargs()
+    sample = kwargs.pop("sample")  # positional: tomesd's pre-hook reads args[0]
+    with torch.no_grad():
+        return model(sample, **kwargs).sample
+
+
+def tomesd_reference(unet: torch.nn.Module, seed: int | None = None, **options: Any) -> torch.nn.Module:
+    """tomesd.apply_patch on a copy: the reference oracle. ``seed`` seeds its generator."""
+    import tomesd
+
+    ref = copy.deepcopy(unet)
+    tomesd.apply_patch(ref, **options)
+    if seed is not None:
+        ref._tome_info["args"]["generator"] = torch.Generator().manual_seed(seed)
+    return ref
+
+
+class GraphCapture:
+    """A backend that records the Dynamo graph (and example inputs) it is given."""
+
+    def __init__(self) -> None:
+        self.graphs: list[tuple[torch.fx.GraphModule, list[Any]]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        self.graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+
+class DynamoGraph(torch.fx.GraphModule):
+    """A copy of Dynamo's graph (free to rewrite) plus the arguments Dynamo called it with."""
+
+    graph_args: list[Any]
+
+
+def dynamo_graph(unet: torch.nn.Module, inputs: Any) -> torch.fx.GraphModule:
+    """The Dynamo graph of ``unet`` on ``inputs``; ``gm.graph_args`` are its (real) arguments."""
+    torch._dynamo.reset()
+    capture = GraphCapture()
+    compiled = torch.compile(unet, backend=capture, fullgraph=True)
+    call(compiled, inputs)
+    gm, args = capture.graphs[0]
+    copied = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    copied.graph_args = args  # type: ignore[attr-defined]
+    return copied
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

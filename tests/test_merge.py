@@ -1,0 +1,87 @@
+"""The merge math against tomesd's bipartite_soft_matching_random2d (the reference oracle)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tomesd.merge import bipartite_soft_matching_random2d
+
+from tome_compile.merge import (
+    destination_partition,
+    merge_tokens,
+    oracle_merge,
+    oracle_unmerge,
+    tome_plan,
+    unmerge_tokens,
+)
+
+
+@pytest.mark.parametrize("h, w, sx, sy, ratio, batch", [
+    (16, 16, 2, 2, 0.5, 2),
+    (15, 17, 2, 2, 0.4, 3),   # non-divisible grid: leftover rows/columns are sources
+    (8, 8, 2, 2, 0.75, 1),    # r capped at the number of sources
+    (9, 7, 3, 2, 0.3, 2),
+])
+@pytest.mark.parametrize("use_rand", [False, True])
+def test_plan_equals_tomesd(h, w, sx, sy, ratio, batch, use_rand):
+    torch.manual_seed(0)
+    metric = torch.randn(batch, h * w, 24)
+    x = torch.randn(batch, h * w, 16)
+    r = int(h * w * ratio)
+    choice = None
+    if use_rand:
+        choice = torch.randint(sx * sy, (h // sy, w // sx, 1), generator=torch.Generator().manual_seed(7))
+    m, u = bipartite_soft_matching_random2d(metric, w, h, sx, sy, r, no_rand=not use_rand,
+                                            generator=torch.Generator().manual_seed(7))
+    slot, weight = tome_plan(metric, None if choice is None else choice.reshape(-1), h, w, sx, sy, r)
+    merged = merge_tokens(x, slot, weight)
+    expected = m(x)
+    assert merged.shape == expected.shape
+    # The same tokens are kept and merged (tomesd's argsort scrambles the order of destinations,
+    # so compare as multisets of rows), and unmerge(merge(x)) is the same tensor.
+    assert torch.allclose(merged.sort(dim=1).values, expected.sort(dim=1).values, atol=1e-6)
+    assert torch.allclose(unmerge_tokens(merged, slot), u(expected), atol=1e-6)
+
+
+def test_merge_is_a_mean_counting_the_destination_once():
+    # 1 x 4 grid, stride 2 x 1: destinations are tokens 0 and 2; sources 1 and 3.
+    metric = torch.tensor([[[1.0, 0.0], [1.0, 0.1], [0.0, 1.0], [0.1, 1.0]]])
+    x = torch.tensor([[[1.0], [3.0], [10.0], [20.0]]])
+    slot, weight = tome_plan(metric, None, 1, 4, 2, 1, r=2)
+    merged = merge_tokens(x, slot, weight)
+    assert merged.shape == (1, 2, 1)
+    assert sorted(merged.flatten().tolist()) == [2.0, 15.0]
+    assert unmerge_tokens(merged, slot).flatten().tolist() == [2.0, 2.0, 15.0, 15.0]
+
+
+def test_ties_are_broken_by_index():
+    # Every token identical: every score ties. The lowest source indices are merged first, in
+    # every backend (stable sort; ONNX TopK breaks ties the same way).
+    metric = torch.ones(1, 16, 4)
+    slot, _ = tome_plan(metric, None, 4, 4, 2, 2, r=4)
+    dst, src = destination_partition(None, 4, 4, 2, 2, torch.device("cpu"))
+    assert dst.tolist() == [0, 2, 8, 10]
+    merged_sources = [t for t in src.tolist() if slot[0, t] >= 12 - 4]
+    assert merged_sources == src.tolist()[:4]
+
+
+def test_partition_from_choice():
+    choice = torch.tensor([0, 1, 2, 3])  # one per 2 x 2 cell of a 4 x 4 grid
+    dst, src = destination_partition(choice, 4, 4, 2, 2, torch.device("cpu"))
+    assert dst.tolist() == [0, 3, 12, 15]  # (row, col) = (0,0), (0,3), (3,0), (3,3)
+    assert sorted(dst.tolist() + src.tolist()) == list(range(16))
+
+
+def test_plan_has_fixed_shapes_for_any_data():
+    for seed in range(3):
+        metric = torch.randn(2, 64, 8, generator=torch.Generator().manual_seed(seed))
+        slot, weight = tome_plan(metric, None, 8, 8, 2, 2, r=20)
+        assert slot.shape == (2, 64) and weight.shape == (2, 44, 1)
+        assert int(slot.max()) == 43 and int(slot.min()) == 0
+
+
+def test_oracle_shapes():
+    x = torch.randn(2, 10, 3)
+    y = oracle_merge(x, 4)
+    assert y.shape == (2, 6, 3)
+    assert oracle_unmerge(y, 4).shape == x.shape

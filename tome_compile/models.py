@@ -1,0 +1,133 @@
+"""U-Nets to work on: built-in architectures (random weights) and a user's local checkpoint.
+
+Nothing is downloaded: the SD 1.5, SD 2.1 and SDXL U-Net configs ship with the package
+(``tome_compile/configs/*.json``) and build the real architectures with random weights, which is
+all speed and memory measurements need. A local diffusers U-Net folder (``config.json`` +
+weights) or pipeline folder (its ``unet/``) loads with ``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tome_compile.errors import ToMeModelError
+
+__all__ = ["ARCHITECTURES", "UNetInputs", "architecture_config", "build_unet", "example_inputs",
+           "load_unet", "unet_input_names"]
+
+logger = logging.getLogger("tome_compile")
+
+ARCHITECTURES = ("sd15", "sd21", "sdxl")
+
+
+def architecture_config(name: str) -> dict[str, Any]:
+    """The shipped ``UNet2DConditionModel`` config of a built-in architecture."""
+    if name not in ARCHITECTURES:
+        raise ToMeModelError(f"unknown architecture {name!r}; built-in ones are {ARCHITECTURES}")
+    text = resources.files("tome_compile.configs").joinpath(f"{name}.json").read_text()
+    return {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
+
+
+def build_unet(name_or_config: str | dict[str, Any], *, seed: int = 0,
+               dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A ``UNet2DConditionModel`` with random weights (seeded, without touching the global RNG)."""
+    from diffusers import UNet2DConditionModel
+
+    config = architecture_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
+    devices: list[Any] = []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        try:
+            unet = UNet2DConditionModel(**config)
+        except TypeError as e:
+            raise ToMeModelError(f"bad U-Net config: {e}") from e
+    return (unet if dtype == torch.float32 else unet.to(dtype)).eval()
+
+
+def load_unet(spec: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, str]:
+    """``spec`` = a built-in name (random weights), a diffusers U-Net folder or a pipeline folder.
+
+    Returns ``(unet, description)``; the description says where the weights came from.
+    """
+    if isinstance(spec, str) and spec in ARCHITECTURES:
+        return build_unet(spec, dtype=dtype), f"built-in {spec} architecture with RANDOM weights"
+    path = Path(spec)
+    if not path.exists():
+        raise ToMeModelError(f"model {str(spec)!r} not found: give a diffusers U-Net folder, a pipeline "
+                             f"folder, or one of {ARCHITECTURES}")
+    folder = path / "unet" if (path / "unet" / "config.json").is_file() else path
+    if not (folder / "config.json").is_file():
+        raise ToMeModelError(f"{str(path)!r} has no config.json (nor unet/config.json); it is not a "
+                             "diffusers U-Net or pipeline folder")
+    from diffusers import UNet2DConditionModel
+
+    try:
+        unet = UNet2DConditionModel.from_pretrained(folder, local_files_only=True, torch_dtype=dtype)
+    except Exception as e:  # noqa: BLE001 - any loader failure becomes one clear message
+        raise ToMeModelError(f"could not load a U-Net from {str(folder)!r}: {e}") from e
+    return unet.eval(), f"local U-Net {folder}"
+
+
+@dataclass
+class UNetInputs:
+    """Positional inputs in diffusers/Optimum order: sample, timestep, encoder_hidden_states,
+    and for SDXL text_embeds, time_ids."""
+
+    sample: torch.Tensor
+    timestep: torch.Tensor
+    encoder_hidden_states: torch.Tensor
+    text_embeds: torch.Tensor | None = None
+    time_ids: torch.Tensor | None = None
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        extra = () if self.text_embeds is None else (self.text_embeds, self.time_ids)
+        return (self.sample, self.timestep, self.encoder_hidden_states) + extra
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``UNet2DConditionModel.forward``."""
+        out: dict[str, Any] = {"sample": self.sample, "timestep": self.timestep,
+                               "encoder_hidden_states": self.encoder_hidden_states}
+        if self.text_embeds is not None:
+            out["added_cond_kwargs"] = {"text_embeds": self.text_embeds, "time_ids": self.time_ids}
+        return out
+
+
+def unet_input_names(unet: torch.nn.Module) -> list[str]:
+    names = ["sample", "timestep", "encoder_hidden_states"]
+    if getattr(unet.config, "addition_embed_type", None) == "text_time":
+        names += ["text_embeds", "time_ids"]
+    return names
+
+
+def _spatial_scale(unet: torch.nn.Module) -> int:
+    # Latent models (4 channels) work at 1/8 of the image; pixel-space models at 1/1.
+    return 8 if unet.config.in_channels == 4 else 1
+
+
+def example_inputs(unet: torch.nn.Module, *, batch: int = 2, height: int = 512, width: int = 512,
+                   seq_len: int = 77, seed: int = 0, device: str | torch.device = "cpu",
+                   dtype: torch.dtype | None = None) -> UNetInputs:
+    """Random inputs of the right shapes for ``unet`` at an image size of ``height × width``."""
+    cfg = unet.config
+    dtype = dtype or next(unet.parameters()).dtype
+    scale = _spatial_scale(unet)
+    if height % scale or width % scale:
+        raise ToMeModelError(f"height={height}, width={width} must be multiples of {scale}")
+    g = torch.Generator().manual_seed(seed)
+    sample = torch.randn(batch, cfg.in_channels, height // scale, width // scale, generator=g)
+    ehs = torch.randn(batch, seq_len, cfg.cross_attention_dim, generator=g)
+    inputs = UNetInputs(sample.to(device, dtype), torch.tensor(999, device=device),
+                        ehs.to(device, dtype))
+    if getattr(cfg, "addition_embed_type", None) == "text_time":
+        text_dim = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+        inputs.text_embeds = torch.randn(batch, text_dim, generator=g).to(device, dtype)
+        inputs.time_ids = torch.tensor([[height, width, 0, 0, height, width]] * batch,
+                                       dtype=dtype, device=device)
+    return inputs
