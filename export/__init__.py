@@ -1,0 +1,10 @@
+"""ONNX export of the ToMe-rewritten U-Net and an ONNX Runtime session helper
+(installed as ``tome_compile.export``)."""
+
+from __future__ import annotations
+
+from tome_compile.export.inventory import InventoryReport, check_op_inventory
+from tome_compile.export.onnx_export import ExportResult, export_onnx
+from tome_compile.export.session import ToMeSession
+
+__all__ = ["ExportResult", "InventoryReport", "ToMeSession", "check_op_inventory", "export_onnx"]

@@ -31,6 +31,7 @@ __all__ = [
     "oracle_merge",
     "oracle_unmerge",
     "partition_cells",
+    "tie_free_order",
 ]
 
 
@@ -66,6 +67,21 @@ def destination_partition(
     order = torch.argsort(is_src * n + torch.arange(n, device=device))
     nd = hsy * wsx
     return order[:nd], order[nd:]
+
+
+def tie_free_order(score: torch.Tensor, descending: bool = True) -> torch.Tensor:
+    """``argsort`` of ``score`` along the last dim, ties broken by the lower index, in any backend.
+
+    ONNX TopK and torch's sorts break ties differently, and ``sort(stable=True)`` has no ONNX
+    export. So the key is made unique instead: ``score`` (float32 values, exact in float64)
+    shifted by ``index * 2**-50``; for scores of magnitude >= 2**-10 that shift is below the
+    float32 spacing, so distinct scores keep their order and equal scores order by index.
+    """
+    n = score.shape[-1]
+    step = torch.arange(n, device=score.device, dtype=torch.float64) * 2.0 ** -50
+    key = score.to(torch.float64)
+    key = key - step if descending else key + step
+    return torch.argsort(key, dim=-1, descending=descending)
 
 
 def _plan_from_matches(
@@ -142,8 +158,7 @@ def tome_plan(
         dst_idx, src_idx = destination_partition(choice, h, w, sx, sy, metric.device)
         r = min(r, src_idx.shape[0])
         score, best = _cosine_matches(metric, src_idx, dst_idx)
-        # Stable sort = ties broken by the lower source index, as ONNX TopK does.
-        edge_order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+        edge_order = tie_free_order(score)
         return _plan_from_matches(src_idx, dst_idx, edge_order, best, r, n, metric.dtype)
 
 
@@ -185,12 +200,13 @@ def importance_plan(
         device = metric.device
         imp = importance.reshape(p, n).to(torch.float32)
         # Unique keys: importance rank, ties by token index (every backend picks the same pool).
-        by_importance = torch.sort(imp, dim=-1, descending=True, stable=True).indices  # [P, N]
+        imp = imp / imp.amax(dim=-1, keepdim=True).clamp_min(1e-30)  # scale-free, for tie_free_order
+        by_importance = tie_free_order(imp)  # [P, N]
         pool = by_importance[:, :m]
         if dst_key is None:
             pick = torch.arange(nd, device=device).expand(p, nd)
         else:
-            pick = torch.sort(dst_key.to(torch.float32), dim=-1, stable=True).indices[:, :nd]
+            pick = tie_free_order(dst_key.to(torch.float32), descending=False)[:, :nd]
         dst_tok = pool.gather(1, pick)  # [P, Nd]
         is_dst = torch.zeros(p, n, dtype=torch.int64, device=device).scatter(1, dst_tok, 1)
         in_pool = torch.zeros(p, n, dtype=torch.int64, device=device).scatter(1, pool, 1)
@@ -207,7 +223,7 @@ def importance_plan(
         unimportant = 1 - in_pool.gather(1, src_idx).repeat(2, 1)  # [B, Ns]
         # Unimportant sources rank first (+2 > any cosine), then important ones by similarity.
         key = score + 2.0 * unimportant.to(score.dtype)
-        edge_order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+        edge_order = tie_free_order(key)
         return _plan_from_matches(src_b, dst_b, edge_order, best, r, n, metric.dtype)
 
 

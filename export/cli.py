@@ -1,0 +1,127 @@
+"""``tome-export``: write a ToMe-rewritten U-Net as ONNX (checked, atomically)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from tome_compile.config import ToMeConfig
+from tome_compile.errors import ToMeError
+
+__all__ = ["main"]
+
+EPILOG = """examples:
+  tome-export unet_tome.onnx --model sd15                      # built-in SD 1.5 architecture, random weights
+  tome-export out/unet.onnx --model ./stable-diffusion-v1-5 --height 768 --width 768
+  tome-export sdxl.onnx --model sdxl --max-downsample 2 --height 1024 --width 1024 --batch 2
+  tome-export unet.onnx --model ./my-unet --no-rand --ratio 0.4 --force
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tome-export", description=__doc__, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", help="output .onnx path (weights go to OUT.data beside it)")
+    p.add_argument("--model", default="sd15",
+                   help="local diffusers U-Net or pipeline folder, or sd15 | sd21 | sdxl (random weights)")
+    p.add_argument("--height", type=int, default=512, help="image height in pixels (multiple of 8)")
+    p.add_argument("--width", type=int, default=512, help="image width in pixels (multiple of 8)")
+    p.add_argument("--batch", type=int, default=2, help="batch size (2 = one CFG pair)")
+    p.add_argument("--seq-len", type=int, default=77, help="text tokens in encoder_hidden_states (default 77)")
+    p.add_argument("--ratio", type=float, default=0.5, help="share of tokens merged (default 0.5)")
+    p.add_argument("--max-downsample", type=int, default=1, help="1, 2, 4 or 8 (use 2 for SDXL)")
+    p.add_argument("--sx", type=int, default=2)
+    p.add_argument("--sy", type=int, default=2)
+    p.add_argument("--no-rand", action="store_true", help="fixed destinations: no tome_partition input")
+    p.add_argument("--merge-crossattn", action="store_true")
+    p.add_argument("--merge-mlp", action="store_true")
+    p.add_argument("--method", default="tome", choices=["tome", "importance"])
+    p.add_argument("--opset", type=int, default=20, help="ONNX opset (default 20; 23 has no CUDA group norm)")
+    p.add_argument("--fp16", action="store_true", help="export in float16 (parity is checked on CUDA only)")
+    p.add_argument("--no-cuda-check", action="store_true",
+                   help="do not require every op to have a CUDA EP kernel")
+    p.add_argument("--atol", type=float, default=None, help="parity tolerance (default 1e-3, fp16 5e-2)")
+    p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+class _UsageError(ToMeError):
+    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    if not args.verbose:  # the exporter's own chatter (optional torchvision ops, deprecations)
+        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+    try:
+        return _run(args)
+    except ToMeError as e:
+        print(f"tome-export: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from tome_compile.export.onnx_export import check_output_path, export_onnx
+    from tome_compile.models import ARCHITECTURES, load_unet
+
+    for name in ("height", "width"):
+        value = getattr(args, name)
+        if value <= 0 or value % 8:
+            raise _UsageError(f"--{name} {value} must be a positive multiple of 8")
+    if args.batch < 1:
+        raise _UsageError(f"--batch {args.batch} must be >= 1")
+    config = ToMeConfig(ratio=args.ratio, max_downsample=args.max_downsample, sx=args.sx, sy=args.sy,
+                        use_rand=not args.no_rand, merge_crossattn=args.merge_crossattn,
+                        merge_mlp=args.merge_mlp, method=args.method, seed=0)
+    if config.method != "tome":
+        raise _UsageError("--method importance is not available for export yet")
+    out = check_output_path(args.out, args.force)
+    if args.model not in ARCHITECTURES and not Path(args.model).exists():
+        raise _UsageError(f"--model {args.model!r}: no such folder, and not one of {ARCHITECTURES}")
+
+    steps = ["load", "trace", "rewrite", "convert", "inventory", "parity"]
+    with tqdm(total=len(steps), desc="tome-export", unit="step", file=sys.stderr) as bar:
+        bar.set_postfix_str("loading the U-Net")
+        unet, description = load_unet(args.model)
+        print(f"model: {description}", flush=True)
+        bar.update(1)
+
+        def step(message: str) -> None:
+            bar.set_postfix_str(message)
+            bar.update(1) if bar.n < bar.total - 1 else None
+
+        with torch.no_grad():
+            result = export_onnx(unet, out, config, batch=args.batch, height=args.height, width=args.width,
+                                 seq_len=args.seq_len,
+                                 opset=args.opset, fp16=args.fp16, force=args.force, atol=args.atol,
+                                 require_cuda_kernels=not args.no_cuda_check, step=step)
+        bar.update(bar.total - bar.n)
+    print(result.report.summary())
+    inv = result.inventory
+    print(f"ops (opset {inv.opset}): {sum(inv.op_counts.values())} nodes, {len(inv.op_counts)} op types; "
+          "onnx.checker passed; every op has a CUDA EP kernel" if not args.no_cuda_check else
+          f"ops (opset {inv.opset}): {sum(inv.op_counts.values())} nodes; onnx.checker passed")
+    if result.parity_max_abs is not None:
+        print(f"parity ({result.parity_provider}): max abs {result.parity_max_abs:.3g}, "
+              f"max rel {result.parity_max_rel:.3g}")
+    else:
+        print("parity: skipped (fp16 needs the CUDA EP)")
+    print("inputs: " + ", ".join(result.input_names) + " -> out_sample")
+    for f in result.files:
+        print(f"wrote {f} ({f.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,110 @@
+"""``ToMeSession``: an ONNX Runtime session that stands in for the U-Net in a diffusers loop.
+
+    session = ToMeSession("unet_tome.onnx", seed=0)          # CUDA EP when available, else CPU
+    noise_pred = session(latents, t, encoder_hidden_states=emb).sample
+
+It draws the destination partition for every call from its own seeded generator (the same
+sequence ``tome_backend(seed=...)`` draws), converts torch tensors to the model's input types and
+returns torch tensors on the caller's device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from tome_compile.errors import ToMeExportError
+from tome_compile.export.onnx_export import METADATA_KEY
+from tome_compile.sampler import PartitionSampler
+
+__all__ = ["ToMeSession"]
+
+logger = logging.getLogger("tome_compile.export")
+
+_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+          "tensor(int32)": np.int32, "tensor(double)": np.float64}
+
+
+class _Output(SimpleNamespace):
+    sample: torch.Tensor
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return (self.sample,)[index]
+
+
+class ToMeSession:
+    """ONNX Runtime session of a ``tome-export`` model with the U-Net's call signature.
+
+    Args:
+        path: the ``.onnx`` file (its ``.onnx.data`` beside it).
+        providers: ONNX Runtime providers; default CUDA EP when available, else CPU.
+        seed: seed of the partition generator (``None``: from the OS).
+    """
+
+    def __init__(self, path: str | Path, *, providers: Sequence[str] | None = None,
+                 seed: int | None = None, session_options: Any = None) -> None:
+        import onnx
+        import onnxruntime as ort
+
+        path = Path(path)
+        if not path.is_file():
+            raise ToMeExportError(f"no ONNX model at {str(path)!r}")
+        model = onnx.load(str(path), load_external_data=False)
+        meta = {p.key: p.value for p in model.metadata_props}.get(METADATA_KEY)
+        self.meta: dict[str, Any] = json.loads(meta) if meta else {}
+        if providers is None:
+            available = ort.get_available_providers()
+            providers = (["CUDAExecutionProvider", "CPUExecutionProvider"]
+                         if "CUDAExecutionProvider" in available else ["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(str(path), sess_options=session_options,
+                                            providers=list(providers))
+        self.provider = self.session.get_providers()[0]
+        logger.info("ToMeSession: %s on %s", path.name, self.provider)
+        self.inputs = {i.name: i for i in self.session.get_inputs()}
+        self.sampler = PartitionSampler(seed)
+        self.config = SimpleNamespace(**self.meta.get("unet_config", {}))
+        self.dtype = torch.float16 if self.meta.get("dtype") == "float16" else torch.float32
+        self.device = torch.device("cpu")
+
+    def reset(self, seed: int | None = None) -> None:
+        """Restart the partition sequence."""
+        self.sampler.reseed(seed)
+
+    def _feed(self, name: str, value: Any) -> np.ndarray:
+        if name not in self.inputs:
+            raise ToMeExportError(f"input {name!r} is not an input of this model ({list(self.inputs)})")
+        array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+        spec = self.inputs[name]
+        array = array.astype(_NUMPY.get(spec.type, array.dtype), copy=False)
+        if len(spec.shape) == 0:
+            array = array.reshape(())
+        want = [d for d in spec.shape]
+        if any(isinstance(d, int) and d != got for d, got in zip(want, array.shape)) or len(want) != array.ndim:
+            raise ToMeExportError(f"{name} has shape {tuple(array.shape)}, this export takes {tuple(want)} "
+                                  "(batch and size are fixed per export; export again for another)")
+        return array
+
+    def __call__(self, sample: torch.Tensor, timestep: Any, encoder_hidden_states: torch.Tensor | None = None,
+                 added_cond_kwargs: dict[str, torch.Tensor] | None = None, return_dict: bool = True,
+                 **_: Any) -> Any:
+        feed = {"sample": self._feed("sample", sample),
+                "timestep": self._feed("timestep", timestep),
+                "encoder_hidden_states": self._feed("encoder_hidden_states", encoder_hidden_states)}
+        for name in ("text_embeds", "time_ids"):
+            if name in self.inputs:
+                if not added_cond_kwargs or name not in added_cond_kwargs:
+                    raise ToMeExportError(f"this SDXL export needs added_cond_kwargs[{name!r}]")
+                feed[name] = self._feed(name, added_cond_kwargs[name])
+        if "tome_partition" in self.inputs:
+            cells = [tuple(c) for c in self.meta["partition_cells"]]
+            draw = self.sampler.draw(cells, int(self.meta["choices"]), torch.device("cpu"))  # type: ignore[arg-type]
+            feed["tome_partition"] = draw.numpy()
+        out = self.session.run(None, feed)[0]
+        result = torch.from_numpy(out).to(sample.device if isinstance(sample, torch.Tensor) else "cpu")
+        return _Output(sample=result) if return_dict else (result,)

@@ -1,0 +1,186 @@
+"""tome-export: ORT parity, tomesd parity, op inventory, CLI and its bad inputs, atomic writes."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from conftest import call, tiny_inputs, tiny_unet, tomesd_reference
+
+from tome_compile import ToMeConfig, ToMeExportError, tome_backend
+from tome_compile.export import ToMeSession, check_op_inventory, export_onnx
+from tome_compile.export.cli import main
+
+HW = 128  # image size of the tiny latent-space models: 16 x 16 latent, 256 tokens at full resolution
+
+
+@pytest.fixture(scope="module")
+def sd15():
+    return tiny_unet("sd15")
+
+
+@pytest.fixture(scope="module")
+def sd15_folder(tmp_path_factory, sd15):
+    folder = tmp_path_factory.mktemp("tiny_sd15")
+    sd15.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, sd15):
+    out = tmp_path_factory.mktemp("onnx") / "unet.onnx"
+    result = export_onnx(copy.deepcopy(sd15), out, ToMeConfig(ratio=0.5, seed=0), height=HW, width=HW, seq_len=7,
+                         atol=1e-4)
+    return result
+
+
+def test_export_writes_checked_model_with_partition_input(exported):
+    assert exported.path.is_file() and exported.path.with_name("unet.onnx.data").is_file()
+    assert exported.input_names == ["sample", "timestep", "encoder_hidden_states", "tome_partition"]
+    assert [s.path for s in exported.report.rewritten] == [
+        "down_blocks.0.attentions.0.transformer_blocks.0.attn1",
+        "up_blocks.1.attentions.0.transformer_blocks.0.attn1",
+        "up_blocks.1.attentions.1.transformer_blocks.0.attn1"]
+    assert exported.parity_max_abs is not None and exported.parity_max_abs <= 1e-4
+    model = onnx.load(str(exported.path), load_external_data=False)
+    ops = {n.op_type for n in model.graph.node}
+    assert not any(op.startswith("Random") for op in ops)  # the partition is an input, not a Random* op
+    assert "GroupNormalization" not in ops  # opset 20: InstanceNormalization, which CUDA EP has
+    assert [o.name for o in model.graph.output] == ["out_sample"]
+    assert check_op_inventory(exported.path).ok
+
+
+def test_session_equals_compiled_backend(exported, sd15):
+    # Same seed => same partition sequence => the ONNX and torch.compile paths agree call by call.
+    session = ToMeSession(exported.path, seed=3)
+    assert session.provider == "CPUExecutionProvider"
+    backend = tome_backend(0.5, compiler="eager", seed=3)
+    compiled = torch.compile(copy.deepcopy(sd15), backend=backend, fullgraph=True)
+    inputs = tiny_inputs(sd15)
+    for _ in range(2):
+        got = session(inputs.sample, inputs.timestep, encoder_hidden_states=inputs.encoder_hidden_states).sample
+        assert (got - call(compiled, inputs)).abs().max() < 1e-4
+    tuple_out = session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states, return_dict=False)
+    assert isinstance(tuple_out, tuple) and tuple_out[0].shape == inputs.sample.shape
+
+
+def test_session_rejects_wrong_shapes(exported):
+    session = ToMeSession(exported.path, seed=0)
+    with pytest.raises(ToMeExportError, match="fixed per export"):
+        session(torch.zeros(1, 4, 16, 16), torch.tensor(1), torch.zeros(1, 7, 32))
+
+
+def test_no_rand_export_equals_tomesd(tmp_path, sd15):
+    result = export_onnx(copy.deepcopy(sd15), tmp_path / "m.onnx", ToMeConfig(ratio=0.5, use_rand=False),
+                         height=HW, width=HW, seq_len=7, atol=1e-4)
+    assert result.input_names == ["sample", "timestep", "encoder_hidden_states"]  # exactly the standard ones
+    inputs = tiny_inputs(sd15)
+    got = ToMeSession(result.path)(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
+    ref = tomesd_reference(sd15, ratio=0.5, use_rand=False)
+    assert (got - call(ref, inputs)).abs().max() < 1e-4
+
+
+def test_sdxl_export(tmp_path):
+    unet = tiny_unet("sdxl")
+    result = export_onnx(unet, tmp_path / "xl.onnx", ToMeConfig(ratio=0.5, max_downsample=2, use_rand=False),
+                         height=HW, width=HW, seq_len=7, atol=1e-4)
+    assert result.input_names == ["sample", "timestep", "encoder_hidden_states", "text_embeds", "time_ids"]
+    assert len(result.report.rewritten) == 6
+
+
+def test_inventory_catches_planted_scatter_mean(tmp_path):
+    class Planted(torch.nn.Module):
+        def forward(self, x, index):
+            return torch.zeros(2, 3, 4).scatter_reduce(1, index, x, reduce="mean", include_self=True)
+
+    x = torch.randn(2, 6, 4)
+    index = torch.tensor([0, 0, 1, 1, 2, 2]).view(1, 6, 1).expand(2, 6, 4).contiguous()
+    path = tmp_path / "planted.onnx"
+    torch.onnx.export(Planted(), (x, index), str(path), dynamo=True, verbose=False)
+    report = check_op_inventory(path, require_cuda=False)
+    assert not report.ok
+    assert any("scatter_reduce" in p and "overwrite" in p for p in report.problems)
+
+
+def test_inventory_flags_ops_without_cuda_kernel(tmp_path):
+    # Group norm at opset 21+ is GroupNormalization, which ONNX Runtime's CUDA EP does not have.
+    node = onnx.helper.make_node("GroupNormalization", ["x", "s", "b"], ["y"], num_groups=2)
+    graph = onnx.helper.make_graph(
+        [node], "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4, 2, 2])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 2, 2])],
+        [onnx.numpy_helper.from_array(np.ones(4, np.float32), "s"),
+         onnx.numpy_helper.from_array(np.zeros(4, np.float32), "b")])
+    path = tmp_path / "gn.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)]), str(path))
+    report = check_op_inventory(path)
+    assert report.cuda_missing == ["GroupNormalization (opset 21, version 21)"]
+    assert not report.ok and check_op_inventory(path, require_cuda=False).ok
+
+
+def test_cli_success(tmp_path, sd15_folder, capsys):
+    out = tmp_path / "cli.onnx"
+    code = main([str(out), "--model", str(sd15_folder), "--height", str(HW), "--width", str(HW), "--seq-len", "7",
+                 "--ratio", "0.4", "--no-rand"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert out.is_file() and (tmp_path / "cli.onnx.data").is_file()
+    assert "rewrote 3 of 8 attention sites" in printed and "256 -> 154 tokens" in printed
+    assert "parity (CPUExecutionProvider): max abs" in printed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cli.onnx", "cli.onnx.data"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "/nonexistent/unet"], "no such folder"),
+    (["--ratio", "0.9"], "ratio=0.9"),
+    (["--height", "100"], "--height 100 must be a positive multiple of 8"),
+    (["--max-downsample", "3"], "max_downsample=3"),
+    (["--batch", "0"], "--batch 0"),
+])
+def test_cli_bad_input(tmp_path, sd15_folder, capsys, argv, words):
+    args = [str(tmp_path / "bad.onnx"), "--model", str(sd15_folder), "--height", str(HW), "--width", str(HW), "--seq-len", "7"]
+    code = main(args + argv)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert words in err and err.startswith("tome-export: error:") and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_refuses_to_overwrite_and_folders(tmp_path, sd15_folder, capsys):
+    existing = tmp_path / "keep.onnx"
+    existing.write_text("precious")
+    base = ["--model", str(sd15_folder), "--height", str(HW), "--width", str(HW), "--seq-len", "7"]
+    assert main([str(existing)] + base) == 2
+    assert "--force" in capsys.readouterr().err and existing.read_text() == "precious"
+    assert main([str(tmp_path / "missing" / "x.onnx")] + base) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main([str(tmp_path / "x.txt")] + base) == 2
+    assert "must end in .onnx" in capsys.readouterr().err
+    assert main(["/proc/tome.onnx"] + base) == 2  # a folder nothing can be written to
+    assert "write" in capsys.readouterr().err
+
+
+def test_failed_export_leaves_nothing_behind(tmp_path, sd15_folder, capsys):
+    # A parity tolerance of 0 cannot be met: the export fails after writing to its temp folder.
+    code = main([str(tmp_path / "fail.onnx"), "--model", str(sd15_folder), "--height", str(HW),
+                 "--width", str(HW), "--seq-len", "7", "--atol", "0"])
+    assert code == 2 and "parity check failed" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and onnxruntime-gpu")
+def test_cuda_session_parity(exported, sd15):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu not installed")
+    cpu = ToMeSession(exported.path, seed=1, providers=["CPUExecutionProvider"])
+    gpu = ToMeSession(exported.path, seed=1)
+    assert gpu.provider == "CUDAExecutionProvider"
+    inputs = tiny_inputs(sd15)
+    a = cpu(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
+    b = gpu(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
+    assert (a - b).abs().max() < 1e-3
