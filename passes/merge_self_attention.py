@@ -78,7 +78,8 @@ class ToMeResult:
     partition_cells: list[tuple[int, int]] = field(default_factory=list)
     latent_hw: tuple[int, int] | None = None
     batch: int | None = None
-    importance_grids: list[tuple[int, int]] = field(default_factory=list)
+    method: str = "tome"
+    dst_key_sizes: list[int] = field(default_factory=list)  # importance: pool size M per site
 
     @property
     def rewritten(self) -> list[ToMeSite]:
@@ -164,6 +165,7 @@ def merge_self_attention(
     latent_hw: tuple[int, int] | None = None,
     oracle: bool = False,
     validate: bool = True,
+    method: str | None = None,
 ) -> ToMeResult:
     """Rewrite every high-resolution self-attention of ``gm`` in place and report every site.
 
@@ -177,6 +179,8 @@ def merge_self_attention(
         oracle: benchmark bound: merge = first ``N - r`` tokens, unmerge = a copy; no similarity.
         validate: re-propagate shapes after the rewrite; a site whose rewrite does not
             type-check is put back and reported as skipped (never a graph that crashes).
+        method: ``"tome"`` or ``"importance"`` (default ``config.method``). Importance plans read
+            the ``tome_importance`` input ``[B/2, H, W]`` (and ``tome_dst_key`` with ``use_rand``).
     Returns:
         :class:`ToMeResult`; ``inputs`` lists graph inputs appended to ``gm`` (feed them last,
         in that order).
@@ -271,8 +275,11 @@ def merge_self_attention(
         logger.info("ToMe: rewrote 0 of %d attention sites", len(report))
         return ToMeResult(gm, False, report, latent_hw=latent, batch=batch)
 
+    method = method or config.method
+    if method == "importance" and (oracle or batch is None or batch % 2 == 1):
+        method = "tome"  # no CFG pair in an odd batch: importance has no map to work from
     use_rand = config.use_rand and not oracle
-    if use_rand and batch is not None and batch % 2 == 1:
+    if use_rand and method == "tome" and batch is not None and batch % 2 == 1:
         # tomesd: an odd batch cannot hold CFG pairs, so random partitions would differ between
         # the cond and uncond calls; it falls back to fixed destinations.
         use_rand = False
@@ -282,7 +289,7 @@ def merge_self_attention(
 
     original = copy.deepcopy(gm.graph) if validate else None
     skipped_rows = list(report)
-    result = _rewrite(gm, config, planned, use_rand, oracle, rand_note, report, latent, batch)
+    result = _rewrite(gm, config, planned, use_rand, oracle, rand_note, report, latent, batch, method)
     if validate:
         error = _check(gm)
         if error is not None:
@@ -294,7 +301,7 @@ def merge_self_attention(
             for plan in planned:
                 trial = fx.GraphModule(gm, copy.deepcopy(original))
                 mapped = _remap(plan, trial.graph, original)
-                _rewrite(trial, config, [mapped], use_rand, oracle, rand_note, [], latent, batch)
+                _rewrite(trial, config, [mapped], use_rand, oracle, rand_note, [], latent, batch, method)
                 err = _check(trial)
                 if err is None:
                     survivors.append(plan)
@@ -307,7 +314,8 @@ def merge_self_attention(
                 report.append(ToMeSite(path, site.kind, site.tokens, None, None, None, False,
                                        f"rewrite failed the shape check ({err})"))
             remapped = [_remap(p, gm.graph, original) for p in survivors]
-            result = _rewrite(gm, config, remapped, use_rand, oracle, rand_note, report, latent, batch)
+            result = _rewrite(gm, config, remapped, use_rand, oracle, rand_note, report, latent, batch,
+                              method)
             if survivors and _check(gm) is not None:
                 raise ToMeRewriteError("ToMe rewrite failed its shape check even site by site")
     _order(result.sites, found)
@@ -345,16 +353,27 @@ def _rewrite(
     report: list[ToMeSite],
     latent: tuple[int, int] | None,
     batch: int | None,
+    method: str = "tome",
 ) -> ToMeResult:
     graph = gm.graph
     inputs: list[str] = []
+    importance = method == "importance"
     cells_per_site = [(p.h // config.sy, p.w // config.sx) for p in planned]
+    pools = [_merge.importance_pool_size(p.n, p.r, config.pool_factor, config.dst_fraction)
+             for p in planned] if importance else []
     total_cells = sum(a * b for a, b in cells_per_site)
-    partition = None
-    if use_rand and total_cells > 0:
+    partition = imp_input = dst_key = None
+    if importance:
+        assert latent is not None and batch is not None
+        imp_input = _add_input(graph, IMPORTANCE_INPUT, (batch // 2, *latent), torch.float32)
+        inputs.append(IMPORTANCE_INPUT)
+        if use_rand:
+            dst_key = _add_input(graph, DST_KEY_INPUT, (batch // 2, sum(pools)), torch.float32)
+            inputs.append(DST_KEY_INPUT)
+    elif use_rand and total_cells > 0:
         partition = _add_input(graph, PARTITION_INPUT, (total_cells,), torch.int64)
         inputs.append(PARTITION_INPUT)
-    offset = 0
+    offset = key_offset = 0
     rows: list[ToMeSite] = []
     for plan, (ch, cw) in zip(planned, cells_per_site):
         path = plan.site.path
@@ -362,6 +381,19 @@ def _rewrite(
         with graph.inserting_before(plan.site.input.next):
             if oracle:
                 slot = weight = None
+            elif importance:
+                pool = pools[len(rows)]
+                key = None
+                if dst_key is not None:
+                    key = _tag(graph.call_function(torch.narrow, (dst_key, 1, key_offset, pool)), path, "plan")
+                key_offset += pool
+                fitted = _tag(graph.call_function(_merge.fit_importance, (imp_input, plan.h, plan.w)),
+                              path, "plan")
+                plan_node = _tag(graph.call_function(
+                    _merge.importance_plan, (plan.metric, fitted, key, plan.h, plan.w, plan.r,
+                                             config.pool_factor, config.dst_fraction)), path, "plan")
+                slot = _tag(graph.call_function(operator.getitem, (plan_node, 0)), path, "plan")
+                weight = _tag(graph.call_function(operator.getitem, (plan_node, 1)), path, "plan")
             else:
                 choice = None
                 if partition is not None:
@@ -398,13 +430,14 @@ def _rewrite(
         rows.append(ToMeSite(path, "self-attention", plan.n, n_after, (plan.h, plan.w),
                              plan.downsample, True,
                              f"downsample {plan.downsample} <= max_downsample={config.max_downsample}, "
-                             f"r={plan.r}" + ("; oracle" if oracle else rand_note),
+                             f"r={plan.r}" + ("; oracle" if oracle else "; importance" if importance
+                                              else rand_note),
                              tuple(t[3] for t in plan.targets), ch * cw if partition is not None else 0))
     graph.lint()
     gm.recompile()
     report.extend(rows)
     return ToMeResult(gm, bool(rows), report, inputs,
-                      cells_per_site if partition is not None else [], latent, batch)
+                      cells_per_site if partition is not None else [], latent, batch, method, pools)
 
 
 def _check(gm: fx.GraphModule) -> str | None:

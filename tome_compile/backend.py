@@ -21,7 +21,15 @@ import torch.fx as fx
 
 from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeConfigError
-from tome_compile.passes import PARTITION_INPUT, ToMeResult, merge_self_attention
+from tome_compile.importance import ImportanceState
+from tome_compile.passes import (
+    DST_KEY_INPUT,
+    IMPORTANCE_INPUT,
+    PARTITION_INPUT,
+    ToMeResult,
+    merge_self_attention,
+)
+from tome_compile.passes.sites import module_path, node_shape
 from tome_compile.sampler import PartitionSampler
 
 __all__ = ["ToMeBackend", "tome_backend", "tome", "ToMeWarning"]
@@ -103,13 +111,16 @@ class ToMeBackend:
         self.sampler = PartitionSampler(config.seed, generator)
         self.reports: list[ToMeResult] = []
         self.oracle = oracle
+        self.importance = ImportanceState()
 
     def __repr__(self) -> str:
         return f"ToMeBackend({self.config!r}, compiler={self.compiler!r})"
 
     def reset(self, seed: int | None = None) -> None:
-        """Restart the partition sequence (from ``seed``, else the config's seed)."""
+        """Start a new generation: forget the importance map and restart the random sequence
+        (from ``seed``, else the config's seed)."""
         self.sampler.reseed(self.config.seed if seed is None else seed)
+        self.importance.reset()
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         if not self.config.enabled:
@@ -121,7 +132,7 @@ class ToMeBackend:
     def _compile_static(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         # Rewrite a copy: Dynamo keeps using its own graph afterwards.
         rewritten = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-        result = merge_self_attention(rewritten, self.config, oracle=self.oracle)
+        result = merge_self_attention(rewritten, self.config, oracle=self.oracle, method="tome")
         self.reports.append(result)
         logger.info("%s", result.summary())
         warn_if_nothing_rewritten(result, self.config)
@@ -129,16 +140,33 @@ class ToMeBackend:
             return self._compile(gm, example_inputs)
         extra = self._example_extra(result, example_inputs)
         compiled = self._compile(rewritten, list(example_inputs) + extra)
-        return self._bind(compiled, result, example_inputs)
+        tome_fn = self._bind(compiled, result, example_inputs)
+        if self.config.method != "importance" or self.oracle:
+            return tome_fn
+        # Importance: a second graph whose plans read the guidance map; the tome graph above is
+        # the fallback for calls without a map. Both are compiled now: no recompile mid-generation.
+        rewritten_imp = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        result_imp = merge_self_attention(rewritten_imp, self.config, method="importance")
+        if result_imp.method != "importance":
+            return tome_fn  # odd batch: no CFG pair, ToMe only
+        self.reports.append(result_imp)
+        extra_imp = self._example_extra(result_imp, example_inputs)
+        compiled_imp = self._compile(rewritten_imp, list(example_inputs) + extra_imp)
+        return self._bind_importance(tome_fn, compiled_imp, result_imp, gm, example_inputs)
 
     def _example_extra(self, result: ToMeResult, example_inputs: Sequence[Any]) -> list[Any]:
         device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)),
                       torch.device("cpu"))
         mode = _fake_mode(example_inputs)
         extra = []
+        pairs = (result.batch or 2) // 2
         for name in result.inputs:
             if name == PARTITION_INPUT:
                 value = torch.zeros(result.partition_size, dtype=torch.int64, device=device)
+            elif name == IMPORTANCE_INPUT:
+                value = torch.zeros(pairs, *(result.latent_hw or (1, 1)), device=device)
+            elif name == DST_KEY_INPUT:
+                value = torch.zeros(pairs, sum(result.dst_key_sizes), device=device)
             else:  # pragma: no cover - inputs are added by this package only
                 raise AssertionError(name)
             extra.append(mode.from_tensor(value) if mode is not None else value)
@@ -158,6 +186,69 @@ class ToMeBackend:
             return compiled(*args, sampler.draw(cells, choices, device))
 
         return run
+
+
+    def _bind_importance(self, tome_fn: Callable[..., Any], compiled: Callable[..., Any],
+                         result: ToMeResult, gm: fx.GraphModule,
+                         example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        sample_index, timestep_index, output_index = _unet_io(gm)
+        state, sampler, use_rand = self.importance, self.sampler, DST_KEY_INPUT in result.inputs
+        pairs, total = (result.batch or 2) // 2, sum(result.dst_key_sizes)
+        device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)),
+                      torch.device("cpu"))
+
+        def run(*args: Any) -> Any:
+            sample = args[sample_index]
+            timestep = args[timestep_index] if timestep_index is not None else None
+            current = state.current(tuple(sample.shape), timestep)
+            if current is None:
+                out = tome_fn(*args)
+            else:
+                extra = [current.to(device)]
+                if use_rand:
+                    g = sampler.generator(device)
+                    extra.append(torch.rand(pairs, total, generator=g, device=g.device).to(device))
+                out = compiled(*args, *extra)
+            outputs = out if isinstance(out, (list, tuple)) else [out]
+            state.update(outputs[output_index])
+            return out
+
+        return run
+
+
+def _unet_io(gm: fx.GraphModule) -> tuple[int, int | None, int]:
+    """Positions of the sample and timestep inputs and of the noise output in a U-Net graph."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    conv = next(n for n in gm.graph.nodes if n.op == "call_function" and "conv" in str(n.target))
+    node = conv.args[0]
+    while isinstance(node, fx.Node) and node.op != "placeholder":
+        node = next((a for a in node.all_input_nodes if node_shape(a) == node_shape(node)), None)
+    sample_index = placeholders.index(node) if node in placeholders else 0
+
+    def reaches_time_proj(start: fx.Node) -> bool:
+        frontier, seen = [start], set()
+        for _ in range(6):
+            nxt = []
+            for n in frontier:
+                for user in n.users:
+                    if module_path(user).startswith("time_proj"):
+                        return True
+                    if user not in seen:
+                        seen.add(user)
+                        nxt.append(user)
+            frontier = nxt
+        return False
+
+    timestep_index = next((i for i, p in enumerate(placeholders)
+                           if i != sample_index and node_shape(p) is not None
+                           and len(node_shape(p) or ()) <= 1 and reaches_time_proj(p)), None)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    sample_shape = node_shape(placeholders[sample_index]) or ()
+    output_index = next((i for i, o in enumerate(flat)
+                         if len(node_shape(o) or ()) == 4 and (node_shape(o) or ())[0] == sample_shape[0]
+                         and (node_shape(o) or ())[2:] == sample_shape[2:]), 0)
+    return sample_index, timestep_index, output_index
 
 
 class _Specializing:

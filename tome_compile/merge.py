@@ -26,6 +26,9 @@ __all__ = [
     "destination_partition",
     "tome_plan",
     "importance_plan",
+    "importance_partition",
+    "fit_importance",
+    "importance_pool_size",
     "merge_tokens",
     "unmerge_tokens",
     "oracle_merge",
@@ -162,6 +165,36 @@ def tome_plan(
         return _plan_from_matches(src_idx, dst_idx, edge_order, best, r, n, metric.dtype)
 
 
+def importance_partition(
+    importance: torch.Tensor, dst_key: torch.Tensor | None, n: int, r: int, pool_factor: float,
+    dst_fraction: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Destinations and sources of each CFG pair (shared by its two halves).
+
+    Returns ``(dst_idx [P, Nd], src_idx [P, N - Nd], unimportant [P, N - Nd])``: token indices in
+    ascending order, and 1 where a source is outside the important pool.
+    """
+    p = importance.shape[0]
+    m = importance_pool_size(n, r, pool_factor, dst_fraction)
+    nd = int(n * dst_fraction)
+    device = importance.device
+    imp = importance.reshape(p, n).to(torch.float32)
+    # Unique keys: importance rank, ties by token index (every backend picks the same pool).
+    imp = imp / imp.amax(dim=-1, keepdim=True).clamp_min(1e-30)  # scale-free, for tie_free_order
+    pool = tie_free_order(imp)[:, :m]  # [P, M]
+    if dst_key is None:
+        pick = torch.arange(nd, device=device).expand(p, nd)  # the most important of the pool
+    else:
+        pick = tie_free_order(dst_key.to(torch.float32), descending=False)[:, :nd]  # uniform subset
+    dst_tok = pool.gather(1, pick)  # [P, Nd]
+    is_dst = torch.zeros(p, n, dtype=torch.int64, device=device).scatter(1, dst_tok, 1)
+    in_pool = torch.zeros(p, n, dtype=torch.int64, device=device).scatter(1, pool, 1)
+    arange_n = torch.arange(n, device=device).expand(p, n)
+    order = torch.argsort((1 - is_dst) * n + arange_n, dim=-1)  # destinations first, by token index
+    dst_idx, src_idx = order[:, :nd], order[:, nd:]
+    return dst_idx, src_idx, 1 - in_pool.gather(1, src_idx)
+
+
 def importance_plan(
     metric: torch.Tensor,
     importance: torch.Tensor,
@@ -191,40 +224,32 @@ def importance_plan(
     similar important sources; the important sources left over stay independent.
     """
     b, n, _ = metric.shape
-    p = importance.shape[0]
-    m = min(int((n - r) * pool_factor), n)
-    nd = int(n * dst_fraction)
-    ns = n - nd
-    r = min(r, ns)
     with torch.no_grad():
-        device = metric.device
-        imp = importance.reshape(p, n).to(torch.float32)
-        # Unique keys: importance rank, ties by token index (every backend picks the same pool).
-        imp = imp / imp.amax(dim=-1, keepdim=True).clamp_min(1e-30)  # scale-free, for tie_free_order
-        by_importance = tie_free_order(imp)  # [P, N]
-        pool = by_importance[:, :m]
-        if dst_key is None:
-            pick = torch.arange(nd, device=device).expand(p, nd)
-        else:
-            pick = tie_free_order(dst_key.to(torch.float32), descending=False)[:, :nd]
-        dst_tok = pool.gather(1, pick)  # [P, Nd]
-        is_dst = torch.zeros(p, n, dtype=torch.int64, device=device).scatter(1, dst_tok, 1)
-        in_pool = torch.zeros(p, n, dtype=torch.int64, device=device).scatter(1, pool, 1)
-        arange_n = torch.arange(n, device=device).expand(p, n)
-        # Destinations first (by token index), then sources (by token index).
-        order = torch.argsort((1 - is_dst) * n + arange_n, dim=-1)
-        dst_idx, src_idx = order[:, :nd], order[:, nd:]
-        # One plan per pair, shared by its uncond and cond halves: compute on the pair's mean
-        # metric? No: tomesd and the official code match on each image's own metric but with a
-        # shared partition. Match per image, with the pair's partition repeated.
+        dst_idx, src_idx, unimportant = importance_partition(importance, dst_key, n, r, pool_factor,
+                                                             dst_fraction)
+        ns = src_idx.shape[1]
+        r = min(r, ns)
+        # The pair shares its partition; each image matches on its own metric (official code).
         dst_b = dst_idx.repeat(2, 1)
         src_b = src_idx.repeat(2, 1)
         score, best = _cosine_matches(metric, src_b, dst_b)
-        unimportant = 1 - in_pool.gather(1, src_idx).repeat(2, 1)  # [B, Ns]
+        unimportant = unimportant.repeat(2, 1)  # [B, Ns]
         # Unimportant sources rank first (+2 > any cosine), then important ones by similarity.
         key = score + 2.0 * unimportant.to(score.dtype)
         edge_order = tie_free_order(key)
         return _plan_from_matches(src_b, dst_b, edge_order, best, r, n, metric.dtype)
+
+
+def fit_importance(importance: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """``[P, H, W] -> [P, h, w]``: area interpolation down to a block's grid (as the official code)."""
+    if tuple(importance.shape[-2:]) == (h, w):
+        return importance
+    return torch.nn.functional.interpolate(importance.unsqueeze(1).float(), size=(h, w), mode="area")[:, 0]
+
+
+def importance_pool_size(n: int, r: int, pool_factor: float, dst_fraction: float) -> int:
+    """``M = min(int((N - r) * pool_factor), N)``, at least the number of destinations."""
+    return min(max(int((n - r) * pool_factor), int(n * dst_fraction)), n)
 
 
 def merge_tokens(x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
