@@ -84,8 +84,6 @@ def _run(args: argparse.Namespace) -> int:
     config = ToMeConfig(ratio=args.ratio, max_downsample=args.max_downsample, sx=args.sx, sy=args.sy,
                         use_rand=not args.no_rand, merge_crossattn=args.merge_crossattn,
                         merge_mlp=args.merge_mlp, method=args.method, seed=0)
-    if config.method != "tome":
-        raise _UsageError("--method importance is not available for export yet")
     out = check_output_path(args.out, args.force)
     if args.model not in ARCHITECTURES and not Path(args.model).exists():
         raise _UsageError(f"--model {args.model!r}: no such folder, and not one of {ARCHITECTURES}")

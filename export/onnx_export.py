@@ -31,7 +31,14 @@ from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeExportError
 from tome_compile.export.inventory import InventoryReport, check_op_inventory
 from tome_compile.models import example_inputs, unet_input_names
-from tome_compile.passes import ToMeResult, merge_self_attention
+from tome_compile.passes import (
+    DST_KEY_INPUT,
+    HAS_MAP_INPUT,
+    IMPORTANCE_INPUT,
+    PARTITION_INPUT,
+    ToMeResult,
+    merge_self_attention,
+)
 from tome_compile.sampler import PartitionSampler
 
 __all__ = ["ExportResult", "export_onnx", "METADATA_KEY", "check_output_path"]
@@ -151,12 +158,10 @@ def export_onnx(
     times["trace"] = time.perf_counter() - start
 
     step("rewriting attention sites (ToMe pass)")
-    result = merge_self_attention(gm, config, oracle=oracle)
+    result = merge_self_attention(
+        gm, config, oracle=oracle, method="importance+fallback" if config.method == "importance" else "tome")
     _assert_no_scatter_mean(gm)
-    extra: list[torch.Tensor] = []
-    if result.inputs:
-        sampler = PartitionSampler(seed)
-        extra.append(sampler.draw(result.partition_cells, config.sx * config.sy, torch.device("cpu")))
+    extra = _example_tome_inputs(result, config, seed)
     input_names = names + list(result.inputs)
 
     meta = {
@@ -169,6 +174,8 @@ def export_onnx(
         "width": width,
         "latent_hw": list(result.latent_hw or ()),
         "partition_cells": [list(c) for c in result.partition_cells],
+        "method": result.method,
+        "dst_key_sizes": list(result.dst_key_sizes),
         "choices": config.sx * config.sy,
         "sites": [s.line() for s in result.sites],
         "unet_config": {k: v for k, v in dict(unet.config).items() if not k.startswith("_")},
@@ -220,6 +227,22 @@ def export_onnx(
         return export
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _example_tome_inputs(result: ToMeResult, config: ToMeConfig, seed: int) -> list[torch.Tensor]:
+    """Values for the ToMe inputs (in ``result.inputs`` order) used to trace and to check parity:
+    a drawn partition, and for importance a random map with ``has_map`` on (the importance branch)."""
+    sampler = PartitionSampler(seed)
+    g = sampler.generator(torch.device("cpu"))
+    pairs = (result.batch or 2) // 2
+    values = {
+        PARTITION_INPUT: lambda: sampler.draw(result.partition_cells, config.sx * config.sy,
+                                              torch.device("cpu")),
+        IMPORTANCE_INPUT: lambda: torch.rand(pairs, *(result.latent_hw or (1, 1)), generator=g),
+        HAS_MAP_INPUT: lambda: torch.tensor(True),
+        DST_KEY_INPUT: lambda: torch.rand(pairs, sum(result.dst_key_sizes), generator=g),
+    }
+    return [values[name]() for name in result.inputs]
 
 
 def _parity(export: ExportResult, path: Path, gm: fx.GraphModule, args: tuple[torch.Tensor, ...],

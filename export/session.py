@@ -21,6 +21,7 @@ import torch
 
 from tome_compile.errors import ToMeExportError
 from tome_compile.export.onnx_export import METADATA_KEY
+from tome_compile.importance import ImportanceState
 from tome_compile.sampler import PartitionSampler
 
 __all__ = ["ToMeSession"]
@@ -68,13 +69,15 @@ class ToMeSession:
         logger.info("ToMeSession: %s on %s", path.name, self.provider)
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.sampler = PartitionSampler(seed)
+        self.importance = ImportanceState()
         self.config = SimpleNamespace(**self.meta.get("unet_config", {}))
         self.dtype = torch.float16 if self.meta.get("dtype") == "float16" else torch.float32
         self.device = torch.device("cpu")
 
     def reset(self, seed: int | None = None) -> None:
-        """Restart the partition sequence."""
+        """Start a new generation: restart the random sequence, forget the importance map."""
         self.sampler.reseed(seed)
+        self.importance.reset()
 
     def _feed(self, name: str, value: Any) -> np.ndarray:
         if name not in self.inputs:
@@ -90,6 +93,30 @@ class ToMeSession:
                                   "(batch and size are fixed per export; export again for another)")
         return array
 
+    def _tome_feed(self, sample_shape: tuple[int, ...], timestep: Any) -> dict[str, np.ndarray]:
+        """The ToMe inputs, drawn in the same order as ``tome_backend`` draws them."""
+        feed: dict[str, np.ndarray] = {}
+        cpu = torch.device("cpu")
+        current = None
+        if "tome_importance" in self.inputs:
+            current = self.importance.current(tuple(sample_shape), timestep)
+            shape = [d if isinstance(d, int) else 1 for d in self.inputs["tome_importance"].shape]
+            feed["tome_importance"] = (current if current is not None else torch.zeros(shape)).float().numpy()
+            feed["tome_has_map"] = np.array(current is not None)
+            if "tome_dst_key" in self.inputs:
+                key_shape = [d if isinstance(d, int) else 1 for d in self.inputs["tome_dst_key"].shape]
+                g = self.sampler.generator(cpu)
+                keys = torch.rand(*key_shape, generator=g) if current is not None else torch.zeros(key_shape)
+                feed["tome_dst_key"] = keys.numpy()
+        if "tome_partition" in self.inputs:
+            cells = [(int(a), int(b)) for a, b in self.meta["partition_cells"]]
+            if current is None:
+                draw = self.sampler.draw(cells, int(self.meta["choices"]), cpu)
+            else:  # importance step: the partition is not used and nothing is drawn for it
+                draw = torch.zeros(sum(a * b for a, b in cells), dtype=torch.int64)
+            feed["tome_partition"] = draw.numpy()
+        return feed
+
     def __call__(self, sample: torch.Tensor, timestep: Any, encoder_hidden_states: torch.Tensor | None = None,
                  added_cond_kwargs: dict[str, torch.Tensor] | None = None, return_dict: bool = True,
                  **_: Any) -> Any:
@@ -101,10 +128,9 @@ class ToMeSession:
                 if not added_cond_kwargs or name not in added_cond_kwargs:
                     raise ToMeExportError(f"this SDXL export needs added_cond_kwargs[{name!r}]")
                 feed[name] = self._feed(name, added_cond_kwargs[name])
-        if "tome_partition" in self.inputs:
-            cells = [tuple(c) for c in self.meta["partition_cells"]]
-            draw = self.sampler.draw(cells, int(self.meta["choices"]), torch.device("cpu"))  # type: ignore[arg-type]
-            feed["tome_partition"] = draw.numpy()
+        feed.update(self._tome_feed(feed["sample"].shape, timestep))
         out = self.session.run(None, feed)[0]
         result = torch.from_numpy(out).to(sample.device if isinstance(sample, torch.Tensor) else "cpu")
+        if "tome_importance" in self.inputs:
+            self.importance.update(result)
         return _Output(sample=result) if return_dict else (result,)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tome_compile.passes.merge_self_attention import (
     DST_KEY_INPUT,
+    HAS_MAP_INPUT,
     IMPORTANCE_INPUT,
     PARTITION_INPUT,
     ToMeResult,
@@ -15,6 +16,7 @@ from tome_compile.passes.sites import AttentionSite, find_attention_sites
 __all__ = [
     "AttentionSite",
     "DST_KEY_INPUT",
+    "HAS_MAP_INPUT",
     "IMPORTANCE_INPUT",
     "PARTITION_INPUT",
     "ToMeResult",

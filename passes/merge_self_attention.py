@@ -29,14 +29,14 @@ from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeRewriteError
 
 __all__ = ["ToMeSite", "ToMeResult", "merge_self_attention", "PARTITION_INPUT", "IMPORTANCE_INPUT",
-           "DST_KEY_INPUT"]
+           "HAS_MAP_INPUT", "DST_KEY_INPUT"]
 
 logger = logging.getLogger("tome_compile.passes")
 
 PARTITION_INPUT = "tome_partition"
 IMPORTANCE_INPUT = "tome_importance"
+HAS_MAP_INPUT = "tome_has_map"
 DST_KEY_INPUT = "tome_dst_key"
-_INPUT_ORDER = (PARTITION_INPUT, IMPORTANCE_INPUT, DST_KEY_INPUT)
 
 
 @dataclass(frozen=True)
@@ -181,6 +181,8 @@ def merge_self_attention(
             type-check is put back and reported as skipped (never a graph that crashes).
         method: ``"tome"`` or ``"importance"`` (default ``config.method``). Importance plans read
             the ``tome_importance`` input ``[B/2, H, W]`` (and ``tome_dst_key`` with ``use_rand``).
+            ``"importance+fallback"``: one graph for both steps (ONNX): a ``tome_has_map`` input
+            picks the importance or the ToMe plan per call (``torch.cond``).
     Returns:
         :class:`ToMeResult`; ``inputs`` lists graph inputs appended to ``gm`` (feed them last,
         in that order).
@@ -221,6 +223,8 @@ def merge_self_attention(
             continue
         sources = n - _merge.partition_cells(h, w, config.sx, config.sy)
         r = min(int(n * config.ratio), sources)
+        if config.method == "importance":  # both plans must merge the same count (one graph, ONNX)
+            r = min(r, n - int(n * config.dst_fraction))
         if r <= 0:
             skip(site, f"ratio={config.ratio} merges no token of {n}", grid=(h, w), downsample=downsample)
             continue
@@ -276,7 +280,7 @@ def merge_self_attention(
         return ToMeResult(gm, False, report, latent_hw=latent, batch=batch)
 
     method = method or config.method
-    if method == "importance" and (oracle or batch is None or batch % 2 == 1):
+    if method.startswith("importance") and (oracle or batch is None or batch % 2 == 1):
         method = "tome"  # no CFG pair in an odd batch: importance has no map to work from
     use_rand = config.use_rand and not oracle
     if use_rand and method == "tome" and batch is not None and batch % 2 == 1:
@@ -357,20 +361,24 @@ def _rewrite(
 ) -> ToMeResult:
     graph = gm.graph
     inputs: list[str] = []
-    importance = method == "importance"
+    importance = method.startswith("importance")
+    in_graph_fallback = method == "importance+fallback"
     cells_per_site = [(p.h // config.sy, p.w // config.sx) for p in planned]
     pools = [_merge.importance_pool_size(p.n, p.r, config.pool_factor, config.dst_fraction)
              for p in planned] if importance else []
     total_cells = sum(a * b for a, b in cells_per_site)
-    partition = imp_input = dst_key = None
+    partition = imp_input = dst_key = has_map = None
     if importance:
         assert latent is not None and batch is not None
         imp_input = _add_input(graph, IMPORTANCE_INPUT, (batch // 2, *latent), torch.float32)
         inputs.append(IMPORTANCE_INPUT)
+        if in_graph_fallback:
+            has_map = _add_input(graph, HAS_MAP_INPUT, (), torch.bool)
+            inputs.append(HAS_MAP_INPUT)
         if use_rand:
             dst_key = _add_input(graph, DST_KEY_INPUT, (batch // 2, sum(pools)), torch.float32)
             inputs.append(DST_KEY_INPUT)
-    elif use_rand and total_cells > 0:
+    if use_rand and total_cells > 0 and (not importance or in_graph_fallback):
         partition = _add_input(graph, PARTITION_INPUT, (total_cells,), torch.int64)
         inputs.append(PARTITION_INPUT)
     offset = key_offset = 0
@@ -389,9 +397,19 @@ def _rewrite(
                 key_offset += pool
                 fitted = _tag(graph.call_function(_merge.fit_importance, (imp_input, plan.h, plan.w)),
                               path, "plan")
-                plan_node = _tag(graph.call_function(
-                    _merge.importance_plan, (plan.metric, fitted, key, plan.h, plan.w, plan.r,
-                                             config.pool_factor, config.dst_fraction)), path, "plan")
+                if in_graph_fallback:
+                    choice = None
+                    if partition is not None:
+                        choice = _tag(graph.call_function(torch.narrow, (partition, 0, offset, ch * cw)),
+                                      path, "plan")
+                    plan_node = _tag(graph.call_function(
+                        _merge.importance_or_tome_plan,
+                        (plan.metric, has_map, fitted, key, choice, plan.h, plan.w, config.sx, config.sy,
+                         plan.r, config.pool_factor, config.dst_fraction)), path, "plan")
+                else:
+                    plan_node = _tag(graph.call_function(
+                        _merge.importance_plan, (plan.metric, fitted, key, plan.h, plan.w, plan.r,
+                                                 config.pool_factor, config.dst_fraction)), path, "plan")
                 slot = _tag(graph.call_function(operator.getitem, (plan_node, 0)), path, "plan")
                 weight = _tag(graph.call_function(operator.getitem, (plan_node, 1)), path, "plan")
             else:

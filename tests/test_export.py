@@ -184,3 +184,22 @@ def test_cuda_session_parity(exported, sd15):
     a = cpu(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
     b = gpu(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
     assert (a - b).abs().max() < 1e-3
+
+
+def test_importance_export_matches_compiled_path(tmp_path, sd15):
+    config = ToMeConfig(ratio=0.5, method="importance", seed=0)
+    result = export_onnx(copy.deepcopy(sd15), tmp_path / "imp.onnx", config, height=HW, width=HW, seq_len=7,
+                         atol=1e-4)
+    assert result.input_names[3:] == ["tome_importance", "tome_has_map", "tome_dst_key", "tome_partition"]
+    model = onnx.load(str(result.path), load_external_data=False)
+    assert sum(n.op_type == "If" for n in model.graph.node) == 3  # one per site: importance | ToMe plan
+    session = ToMeSession(result.path, seed=5)
+    backend = tome_backend(config.replace(seed=5), compiler="eager")
+    compiled = torch.compile(copy.deepcopy(sd15), backend=backend, fullgraph=True)
+    inputs = tiny_inputs(sd15)
+    for t in (999, 900, 800):  # step 1: ToMe fallback; steps 2-3: the previous step's map
+        inputs.timestep = torch.tensor(t)
+        got = session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
+        assert (got - call(compiled, inputs)).abs().max() < 1e-4
+        assert torch.allclose(session.importance.map, backend.importance.map, atol=1e-5)
+    assert session.importance.calls == 3

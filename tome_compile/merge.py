@@ -20,6 +20,8 @@ The segment mean is a ``scatter_add`` of values and a multiply by precomputed ``
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "tome_plan",
     "importance_plan",
     "importance_partition",
+    "importance_or_tome_plan",
     "fit_importance",
     "importance_pool_size",
     "merge_tokens",
@@ -238,6 +241,48 @@ def importance_plan(
         key = score + 2.0 * unimportant.to(score.dtype)
         edge_order = tie_free_order(key)
         return _plan_from_matches(src_b, dst_b, edge_order, best, r, n, metric.dtype)
+
+
+def importance_or_tome_plan(
+    metric: torch.Tensor,
+    has_map: torch.Tensor,
+    importance: torch.Tensor,
+    dst_key: torch.Tensor | None,
+    choice: torch.Tensor | None,
+    h: int,
+    w: int,
+    sx: int,
+    sy: int,
+    r: int,
+    pool_factor: float,
+    dst_fraction: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One graph for both steps of importance merging (used by the ONNX export):
+    ``importance_plan`` when ``has_map`` (a 0-d bool tensor), else ``tome_plan`` — a
+    ``torch.cond``, so ONNX gets an ``If`` and only the taken branch runs. Both plans have the
+    same shapes (``[B, N]``, ``[B, N - r, 1]``) whatever their destination counts."""
+    operands = [t for t in (metric, importance, dst_key, choice) if t is not None]
+    has_key, has_choice = dst_key is not None, choice is not None
+
+    def unpack(ops: tuple[torch.Tensor, ...]) -> tuple[Any, Any, Any, Any]:
+        it = iter(ops)
+        m, imp = next(it), next(it)
+        key = next(it) if has_key else None
+        ch = next(it) if has_choice else None
+        return m, imp, key, ch
+
+    def with_map(*ops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m, imp, key, _ = unpack(ops)
+        slot, weight = importance_plan(m, imp, key, h, w, r, pool_factor, dst_fraction)
+        return slot.clone(), weight.clone()
+
+    def without_map(*ops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m, _, _, ch = unpack(ops)
+        r_tome = min(r, h * w - partition_cells(h, w, sx, sy))
+        slot, weight = tome_plan(m, ch, h, w, sx, sy, r_tome)
+        return slot.clone(), weight.clone()
+
+    return torch.cond(has_map, with_map, without_map, tuple(operands))
 
 
 def fit_importance(importance: torch.Tensor, h: int, w: int) -> torch.Tensor:
