@@ -89,9 +89,12 @@ def _plain_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
     for node in list(graph.nodes):  # constant arguments (return_dict=False) are placeholders too
         value = node.meta.get("val")
         if node.op == "placeholder" and not isinstance(value, torch.Tensor):
+            def constant(a: fx.Node, node: fx.Node = node, value: Any = value) -> Any:
+                return value if a is node else a
+
             for user in list(node.users):
-                user.args = fx.node.map_arg(user.args, lambda a: value if a is node else a)
-                user.kwargs = fx.node.map_arg(user.kwargs, lambda a: value if a is node else a)
+                user.args = fx.node.map_arg(user.args, constant)
+                user.kwargs = fx.node.map_arg(user.kwargs, constant)
             graph.erase_node(node)
     return fx.GraphModule(unlifted, graph).eval()
 

@@ -191,7 +191,6 @@ def merge_self_attention(
     latent = latent_hw or _sites.latent_size(gm)
     report: list[ToMeSite] = []
     planned: list[_Planned] = []
-    by_path = {s.path: s for s in found}
     batch: int | None = None
 
     def skip(site: _sites.AttentionSite, reason: str, **kw: Any) -> None:
@@ -268,7 +267,6 @@ def merge_self_attention(
         classic = {_short(s.path, block) for s in found if s.block_path == block and s.form == "classic"}
         planned.append(_Planned(site, metric, n, r, h, w, downsample, targets, classic))
 
-    del by_path
     if not config.enabled or not planned:
         reason = None if config.enabled else f"ratio={config.ratio}: nothing to merge"
         if reason:
@@ -304,7 +302,7 @@ def merge_self_attention(
             failures: dict[str, str] = {}
             for plan in planned:
                 trial = fx.GraphModule(gm, copy.deepcopy(original))
-                mapped = _remap(plan, trial.graph, original)
+                mapped = _remap(plan, trial.graph)
                 _rewrite(trial, config, [mapped], use_rand, oracle, rand_note, [], latent, batch, method)
                 err = _check(trial)
                 if err is None:
@@ -317,7 +315,7 @@ def merge_self_attention(
                 site = next(p.site for p in planned if p.site.path == path)
                 report.append(ToMeSite(path, site.kind, site.tokens, None, None, None, False,
                                        f"rewrite failed the shape check ({err})"))
-            remapped = [_remap(p, gm.graph, original) for p in survivors]
+            remapped = [_remap(p, gm.graph) for p in survivors]
             result = _rewrite(gm, config, remapped, use_rand, oracle, rand_note, report, latent, batch,
                               method)
             if survivors and _check(gm) is not None:
@@ -334,7 +332,7 @@ def _order(report: list[ToMeSite], found: list[_sites.AttentionSite]) -> None:
     report.sort(key=lambda s: rank.get(s.path, len(rank)))
 
 
-def _remap(plan: _Planned, graph: fx.Graph, original: fx.Graph | None) -> _Planned:
+def _remap(plan: _Planned, graph: fx.Graph) -> _Planned:
     """The same plan on a copy of the graph (nodes matched by name)."""
     names = {n.name: n for n in graph.nodes}
     site = copy.copy(plan.site)

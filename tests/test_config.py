@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -19,7 +20,7 @@ def test_defaults_are_tomesd_defaults():
 
 
 def test_config_is_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         ToMeConfig().ratio = 0.3  # type: ignore[misc]
 
 

@@ -164,3 +164,23 @@ def test_unsupported_site_is_skipped_with_a_reason(sd15):
     assert "no nn_module_stack metadata to scope the region" in reasons
     assert len(result.rewritten) == 2
     copy.deepcopy(gm.graph).lint()
+
+
+def test_a_rewrite_that_does_not_type_check_is_put_back(monkeypatch):
+    # Without the literal-token fix, the classic processor's baked reshapes cannot take the merged
+    # tokens: the shape check catches it, the sites are reported as skipped, the graph still runs.
+    from diffusers.models.attention_processor import AttnProcessor
+
+    import importlib
+
+    pass_module = importlib.import_module("tome_compile.passes.merge_self_attention")
+    unet = tiny_unet("sd15")
+    unet.set_attn_processor(AttnProcessor())
+    inputs = tiny_inputs(unet)
+    gm = dynamo_graph(unet, inputs)
+    monkeypatch.setattr(pass_module, "_replace_literal_tokens", lambda *a, **k: 0)
+    result = pass_module.merge_self_attention(gm, ToMeConfig(ratio=0.5, use_rand=False))
+    assert not result.modified and result.rewritten == []
+    failed = [s for s in result.sites if "failed the shape check" in s.reason]
+    assert [s.path for s in failed] == SD15_SELF
+    assert torch.equal(run_graph(gm, inputs), call(unet, inputs))

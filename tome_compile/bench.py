@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from tome_compile.backend import ToMeBackend, tome_backend
+from tome_compile.backend import ToMeBackend
 from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeError
 from tome_compile.models import example_inputs, load_unet
@@ -166,7 +166,14 @@ def run_size(unet: torch.nn.Module, size: int, args: argparse.Namespace, config:
 def block_overhead(size: int, args: argparse.Namespace, config: ToMeConfig) -> dict[str, Any]:
     """One 4096-token-class block (SD 1.5 first level: C=320, 8 heads): attention at N and N - r
     against the cost of plan + merge + unmerge, each compiled with inductor."""
-    from tome_compile.merge import merge_tokens, partition_cells, tome_plan, unmerge_tokens
+    from tome_compile.merge import (
+        importance_plan,
+        importance_pool_size,
+        merge_tokens,
+        partition_cells,
+        tome_plan,
+        unmerge_tokens,
+    )
 
     device = torch.device(args.device)
     h = w = size // 8
@@ -184,12 +191,21 @@ def block_overhead(size: int, args: argparse.Namespace, config: ToMeConfig) -> d
         slot, weight = tome_plan(t, choice, h, w, config.sx, config.sy, r)
         return unmerge_tokens(merge_tokens(t, slot, weight)[:, : n - r], slot)
 
+    def importance_overhead(t: torch.Tensor, imp: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        slot, weight = importance_plan(t, imp, key, h, w, r, config.pool_factor, config.dst_fraction)
+        return unmerge_tokens(merge_tokens(t, slot, weight)[:, : n - r], slot)
+
     choice = torch.randint(config.sx * config.sy, (partition_cells(h, w, config.sx, config.sy),),
                            generator=g).to(device)
+    imp = torch.rand(b // 2, h, w, generator=g).to(device)
+    key = torch.rand(b // 2, importance_pool_size(n, r, config.pool_factor, config.dst_fraction),
+                     generator=g).to(device)
     attn_c = torch.compile(attention, dynamic=False)
     over_c = torch.compile(tome_overhead, dynamic=False)
+    imp_c = torch.compile(importance_overhead, dynamic=False)
     cases = {"attention N": lambda: attn_c(x), "attention N-r": lambda: attn_c(x[:, : n - r]),
-             "plan+merge+unmerge": lambda: over_c(x, choice)}
+             "plan+merge+unmerge": lambda: over_c(x, choice),
+             "importance plan+merge+unmerge": lambda: imp_c(x, imp, key)}
     times: dict[str, list[float]] = {k: [] for k in cases}
     with torch.inference_mode():
         for fn in cases.values():
@@ -234,13 +250,15 @@ def format_tables(result: dict[str, Any]) -> str:
                          f"{share:.0%} of the oracle's time saving")
     if result.get("blocks"):
         lines.append("\nPer block (C=320, 8 heads, inductor), median s:")
-        lines.append("| tokens | r | attention N | attention N-r | saving | plan+merge+unmerge | overhead / saving |")
-        lines.append("|---:|---:|---:|---:|---:|---:|---:|")
+        lines.append("| tokens | r | attention N | attention N-r | saving | ToMe plan+merge+unmerge | "
+                     "overhead / saving | importance plan+merge+unmerge |")
+        lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for blk in result["blocks"]:
             m = blk["median_s"]
             lines.append(f"| {blk['tokens']} | {blk['r']} | {m['attention N']:.4f} | {m['attention N-r']:.4f} | "
                          f"{blk['saving_s']:.4f} | {m['plan+merge+unmerge']:.4f} | "
-                         f"{blk['overhead_share_of_saving']:.0%} |")
+                         f"{blk['overhead_share_of_saving']:.0%} | "
+                         f"{m.get('importance plan+merge+unmerge', float('nan')):.4f} |")
     return "\n".join(lines)
 
 
@@ -248,6 +266,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
     config = ToMeConfig(ratio=args.ratio, max_downsample=args.max_downsample, seed=0)
+    if args.blocks_only:
+        result = {"model": args.model, "batch": args.batch, "sizes": [], "blocks": [
+            block_overhead(size, args, config) for size in args.sizes]}
+        return result
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     unet, description = load_unet(args.model, dtype=dtype)
     unet = unet.to(args.device)
@@ -285,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default="bench.json", help="where to write the raw results")
     parser.add_argument("--no-blocks", action="store_true", help="skip the per-block overhead table")
+    parser.add_argument("--blocks-only", action="store_true", help="only the per-block overhead table")
     args = parser.parse_args(argv)
     try:
         ToMeConfig(ratio=args.ratio, max_downsample=args.max_downsample)

@@ -1,0 +1,29 @@
+"""The benchmark CLI runs end to end on a tiny model and prints its table (timings are not tested)."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import tiny_unet
+
+from tome_compile.bench import main
+
+
+def test_bench_cli_smoke(tmp_path, capsys):
+    folder = tmp_path / "tiny"
+    tiny_unet("sd15").save_pretrained(folder)
+    out = tmp_path / "b.json"
+    code = main(["--model", str(folder), "--sizes", "128", "--repeats", "1", "--variants", "eager", "tomesd",
+                 "--no-blocks", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "| eager |" in printed and "| tomesd |" in printed
+    data = json.loads(out.read_text())
+    assert [s["size"] for s in data["sizes"]] == [128]
+    assert set(data["sizes"][0]["variants"]) == {"eager", "tomesd"}
+
+
+def test_bench_bad_input(capsys):
+    assert main(["--sizes", "100", "--variants", "eager"]) == 2
+    assert "multiples of 8" in capsys.readouterr().err
+    assert main(["--ratio", "0.9", "--variants", "eager"]) == 2
