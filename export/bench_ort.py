@@ -23,6 +23,30 @@ from typing import Any
 __all__ = ["main"]
 
 
+class _SessionPool:
+    """Sessions by variant; with ``one_at_a_time`` each is freed after use (memory-bound sizes)."""
+
+    def __init__(self, paths: dict[str, Path], one_at_a_time: bool) -> None:
+        self.paths, self.one_at_a_time = paths, one_at_a_time
+        self.sessions: dict[str, Any] = {}
+
+    def __call__(self, label: str) -> Any:
+        from tome_compile.export import ToMeSession
+
+        if label not in self.sessions:
+            self.sessions[label] = ToMeSession(self.paths[label], seed=0, providers=["CPUExecutionProvider"])
+        return self.sessions[label]
+
+    def release(self, label: str) -> None:
+        if self.one_at_a_time:
+            self.sessions.pop(label, None)
+            gc.collect()
+
+    def close(self) -> None:
+        self.sessions.clear()
+        gc.collect()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tome_compile.export.bench_ort", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default="ort-bench", help="where the exported models go (deleted after)")
     parser.add_argument("--keep", action="store_true", help="keep the exported models")
     parser.add_argument("--json", default="bench_ort.json")
+    parser.add_argument("--one-session", action="store_true",
+                        help="hold one session at a time (load, run, free, in each round): for sizes where "
+                             "ONNX Runtime CPU materialises N x N attention (1024²: 8.6 GB per image)")
     args = parser.parse_args(argv)
 
     import onnxruntime as ort
@@ -42,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tome_compile.bench import PeakMemory
     from tome_compile.config import ToMeConfig
-    from tome_compile.export import ToMeSession, export_onnx
+    from tome_compile.export import export_onnx
     from tome_compile.models import example_inputs, load_unet
 
     workdir = Path(args.workdir)
@@ -56,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     total = len(args.sizes) * len(variants) * (2 + args.repeats)
     with tqdm(total=total, desc="bench-ort", unit="step", file=sys.stderr) as bar:
         for size in args.sizes:
-            sessions, exports, paths = {}, {}, {}
+            exports: dict[str, dict[str, Any]] = {}
+            paths: dict[str, Path] = {}
             for label, (config, oracle) in variants.items():  # export all first: one big model in memory
                 bar.set_postfix_str(f"{size}² export {label}")
                 unet, _ = load_unet(args.model)
@@ -70,40 +98,51 @@ def main(argv: list[str] | None = None) -> int:
                 del unet, exported
                 gc.collect()
                 bar.update(1)
-            for label, path in paths.items():
-                sessions[label] = ToMeSession(path, seed=0, providers=["CPUExecutionProvider"])
+            session_of = _SessionPool(paths, args.one_session)
+
             inputs = example_inputs(load_unet(args.model)[0], batch=args.batch, height=size, width=size)
-            times: dict[str, list[float]] = {k: [] for k in sessions}
-            peaks: dict[str, list[int]] = {k: [] for k in sessions}
-            for label, session in sessions.items():  # warm-up
-                bar.set_postfix_str(f"{size}² warm-up {label}")
-                session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states)
+            times: dict[str, list[float]] = {k: [] for k in paths}
+            peaks: dict[str, list[int]] = {k: [] for k in paths}
+            # Peak memory: the first run of a fresh session grows its arena to what a call needs;
+            # later runs reuse it. So the warm-up run is the one measured.
+            for label in paths:  # warm-up (with --one-session each round warms its fresh session)
+                if not args.one_session:
+                    bar.set_postfix_str(f"{size}² warm-up {label}")
+                    session = session_of(label)
+                    with PeakMemory(torch.device("cpu")) as peak:
+                        session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states)
+                    peaks[label].append(peak.peak)
                 bar.update(1)
             for round_ in range(args.repeats):
-                for label, session in sessions.items():
+                for label in paths:
                     bar.set_postfix_str(f"{size}² {label} round {round_ + 1}")
-                    with PeakMemory(torch.device("cpu")) as peak:
-                        start = time.perf_counter()
-                        session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states)
-                        times[label].append(time.perf_counter() - start)
-                    peaks[label].append(peak.peak)
+                    session = session_of(label)
+                    if args.one_session:  # a fresh session's first run grows its arena: measured, not timed
+                        with PeakMemory(torch.device("cpu")) as peak:
+                            session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states)
+                        peaks[label].append(peak.peak)
+                    start = time.perf_counter()
+                    session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states)
+                    times[label].append(time.perf_counter() - start)
+                    session_of.release(label)
                     bar.update(1)
-            result["sizes"].append({"size": size, "variants": {
+            result["sizes"].append({"size": size, "batch": args.batch, "variants": {
                 k: {**exports[k], "times": times[k], "median_s": statistics.median(times[k]),
-                    "peak_bytes": peaks[k]} for k in sessions}})
-            del sessions
-            gc.collect()
+                    "peak_bytes": peaks[k]} for k in paths}})
+            session_of.close()
             if not args.keep:
                 for f in workdir.glob(f"{size}_*"):
                     f.unlink()
+            with open(args.json, "w") as f:  # after every size: a later size running out of memory
+                json.dump(result, f, indent=2)  # does not lose the earlier ones
     if not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)
     for entry in result["sizes"]:
         v = entry["variants"]
         base = v["baseline"]["median_s"]
-        print(f"\nONNX Runtime CPU EP, {args.model} {entry['size']}x{entry['size']}, batch {args.batch}, fp32, "
+        print(f"\nONNX Runtime CPU EP, {args.model} {entry['size']}x{entry['size']}, batch {entry['batch']}, fp32, "
               f"median of {args.repeats}")
-        print("| variant | median s | vs baseline | peak mem / call | parity max abs | sites |")
+        print("| variant | median s | vs baseline | peak mem / call (first run) | parity max abs | sites |")
         print("|---|---:|---:|---:|---:|---:|")
         for label, row in v.items():
             print(f"| {label} | {row['median_s']:.3f} | {base / row['median_s']:.2f}x | "

@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fp16", action="store_true", help="export in float16 (parity is checked on CUDA only)")
     p.add_argument("--no-cuda-check", action="store_true",
                    help="do not require every op to have a CUDA EP kernel")
-    p.add_argument("--atol", type=float, default=None, help="parity tolerance (default 1e-3, fp16 5e-2)")
+    p.add_argument("--atol", type=float, default=None, help="parity tolerance, times max(1, max |output|) (default 1e-3, fp16 5e-2)")
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     p.add_argument("-v", "--verbose", action="store_true")
     return p

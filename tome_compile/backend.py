@@ -70,6 +70,10 @@ def _is_static(value: Any) -> bool:
     return True
 
 
+def _device_of(example_inputs: Sequence[Any]) -> torch.device:
+    return next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+
+
 def _fake_mode(example_inputs: Sequence[Any]) -> Any:
     from torch._guards import detect_fake_mode
 
@@ -155,8 +159,7 @@ class ToMeBackend:
         return self._bind_importance(tome_fn, compiled_imp, result_imp, gm, example_inputs)
 
     def _example_extra(self, result: ToMeResult, example_inputs: Sequence[Any]) -> list[Any]:
-        device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)),
-                      torch.device("cpu"))
+        device = _device_of(example_inputs)
         mode = _fake_mode(example_inputs)
         extra = []
         pairs = (result.batch or 2) // 2
@@ -179,14 +182,12 @@ class ToMeBackend:
         cells = list(result.partition_cells)
         choices = self.config.sx * self.config.sy
         sampler = self.sampler
-        device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)),
-                      torch.device("cpu"))
+        device = _device_of(example_inputs)
 
         def run(*args: Any) -> Any:
             return compiled(*args, sampler.draw(cells, choices, device))
 
         return run
-
 
     def _bind_importance(self, tome_fn: Callable[..., Any], compiled: Callable[..., Any],
                          result: ToMeResult, gm: fx.GraphModule,
@@ -194,8 +195,7 @@ class ToMeBackend:
         sample_index, timestep_index, output_index = _unet_io(gm)
         state, sampler, use_rand = self.importance, self.sampler, DST_KEY_INPUT in result.inputs
         pairs, total = (result.batch or 2) // 2, sum(result.dst_key_sizes)
-        device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)),
-                      torch.device("cpu"))
+        device = _device_of(example_inputs)
 
         def run(*args: Any) -> Any:
             sample = args[sample_index]
