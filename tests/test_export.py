@@ -99,7 +99,7 @@ def test_inventory_catches_planted_scatter_mean(tmp_path):
     x = torch.randn(2, 6, 4)
     index = torch.tensor([0, 0, 1, 1, 2, 2]).view(1, 6, 1).expand(2, 6, 4).contiguous()
     path = tmp_path / "planted.onnx"
-    torch.onnx.export(Planted(), (x, index), str(path), dynamo=True, verbose=False)
+    torch.onnx.export(Planted().eval(), (x, index), str(path), dynamo=True, verbose=False)
     report = check_op_inventory(path, require_cuda=False)
     assert not report.ok
     assert any("scatter_reduce" in p and "overwrite" in p for p in report.problems)
