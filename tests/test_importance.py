@@ -166,3 +166,16 @@ def test_pipeline_end_to_end_without_recompiles():
     assert sum(counters["graph_break"].values()) == 0
     assert backend.importance.calls == 4 and backend.importance.map is not None
     assert [r.method for r in backend.reports] == ["tome", "importance"]
+
+
+def test_importance_under_inductor_equals_eager_graphs():
+    unet = tiny_unet("sd15")
+    inputs = tiny_inputs(unet)
+    eager = torch.compile(copy.deepcopy(unet), fullgraph=True,
+                          backend=tome_backend(0.5, compiler="eager", method="importance", seed=3))
+    backend = tome_backend(0.5, method="importance", seed=3)  # compiler="inductor"
+    compiled = torch.compile(copy.deepcopy(unet), backend=backend, fullgraph=True)
+    for t in (999, 900, 800):
+        inputs.timestep = torch.tensor(t)
+        assert (call(compiled, inputs) - call(eager, inputs)).abs().max() < 1e-4
+    assert backend.importance.calls == 3 and [r.method for r in backend.reports] == ["tome", "importance"]

@@ -1,0 +1,59 @@
+"""Built-in architectures (the real SD 1.5 / 2.1 / SDXL U-Nets) and loading local checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_unet
+
+from tome_compile import ToMeModelError
+from tome_compile.models import architecture_config, example_inputs, load_unet
+
+
+@pytest.mark.parametrize("name, params", [
+    ("sd15", 859_520_964),   # the published parameter counts of these U-Nets
+    ("sd21", 865_910_724),
+    ("sdxl", 2_567_463_684),
+])
+def test_builtin_architectures_are_the_real_ones(name, params):
+    from diffusers import UNet2DConditionModel
+
+    with torch.device("meta"):  # shapes only: no 3-10 GB of random weights
+        unet = UNet2DConditionModel(**architecture_config(name))
+    assert sum(p.numel() for p in unet.parameters()) == params
+
+
+def test_sdxl_inputs_include_added_conditions():
+    unet = tiny_unet("sdxl")
+    inputs = example_inputs(unet, batch=2, height=64, width=64)
+    assert inputs.text_embeds.shape == (2, 16) and inputs.time_ids.shape == (2, 6)
+    assert set(inputs.kwargs()["added_cond_kwargs"]) == {"text_embeds", "time_ids"}
+
+
+def test_load_unet_and_pipeline_folders(tmp_path):
+    unet = tiny_unet("sd15")
+    unet.save_pretrained(tmp_path / "pipe" / "unet")
+    loaded, description = load_unet(tmp_path / "pipe")  # a pipeline folder: its unet/ is used
+    assert "local U-Net" in description and description.endswith("unet")
+    for a, b in zip(loaded.state_dict().values(), unet.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("/nonexistent/model", "not found"),
+    ("sd3", "not found"),
+])
+def test_load_unet_errors(spec, words):
+    with pytest.raises(ToMeModelError, match=words):
+        load_unet(spec)
+
+
+def test_folder_without_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ToMeModelError, match="no config.json"):
+        load_unet(tmp_path / "empty")
+
+
+def test_unknown_architecture_name():
+    with pytest.raises(ToMeModelError, match="built-in ones are"):
+        architecture_config("sd3")
