@@ -105,6 +105,19 @@ def test_inventory_catches_planted_scatter_mean(tmp_path):
     assert any("scatter_reduce" in p and "overwrite" in p for p in report.problems)
 
 
+def test_inventory_catches_index_add(tmp_path):
+    # index_add exports as ScatterND(reduction="add"), which ORT's CPU kernel races on duplicates.
+    class Planted(torch.nn.Module):
+        def forward(self, x, index):
+            return torch.zeros(4, 3).index_add(0, index, x)
+
+    path = tmp_path / "index_add.onnx"
+    torch.onnx.export(Planted().eval(), (torch.randn(6, 3), torch.tensor([0, 0, 1, 3, 3, 3])), str(path),
+                      dynamo=True, verbose=False)
+    report = check_op_inventory(path, require_cuda=False)
+    assert any("ScatterND" in p and "race" in p for p in report.problems)
+
+
 def test_inventory_flags_ops_without_cuda_kernel(tmp_path):
     # Group norm at opset 21+ is GroupNormalization, which ONNX Runtime's CUDA EP does not have.
     node = onnx.helper.make_node("GroupNormalization", ["x", "s", "b"], ["y"], num_groups=2)
