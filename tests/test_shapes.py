@@ -1,0 +1,58 @@
+"""The procedural data of the project's own model, and saving/loading its weights offline."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tome_compile.shapes.data import COLOURS, SHAPES, VOCAB, render, render_batch, tokenize
+from tome_compile.shapes.model import build_model, load_model, save_model
+
+
+def test_render_is_deterministic():
+    a, b, c = render(7), render(7), render(8)
+    assert np.array_equal(a.image, b.image) and a.prompt == b.prompt
+    assert not np.array_equal(a.image, c.image)
+    assert a.image.shape == (32, 32, 3) and a.image.dtype == np.float32
+    assert 0.0 <= a.image.min() and a.image.max() <= 1.0
+
+
+def test_every_class_is_drawn_and_coloured():
+    images, prompts = render_batch(range(300))
+    assert images.shape == (300, 3, 32, 32) and -1.0 <= images.min() and images.max() <= 1.0
+    words = [p.split() for p in prompts]
+    assert {w[0] for w in words} == set(COLOURS) and {w[1] for w in words} == set(SHAPES)
+    for colour, rgb in COLOURS.items():  # the prompted colour is really in the picture
+        example = render(3, colour=colour, shape="square")
+        distance = np.abs(example.image - np.asarray(rgb)).sum(-1)
+        assert (distance < 0.05).mean() > 0.05
+
+
+def test_shapes_differ_in_area():
+    # The same seed (position, size, background) with different shapes gives different masks.
+    masks = {s: (np.abs(render(11, colour="red", shape=s).image - COLOURS["red"]).sum(-1) < 0.05).sum()
+             for s in SHAPES}
+    assert len(set(masks.values())) == len(SHAPES)
+    assert masks["ring"] < masks["circle"]
+
+
+def test_tokenize():
+    assert tokenize("red circle") == [VOCAB.index("red"), VOCAB.index("circle")]
+    assert tokenize("") == [0, 0]  # the null prompt
+    with pytest.raises(ValueError, match="must be '<colour> <shape>'"):
+        tokenize("purple hexagon")
+
+
+def test_model_has_1024_token_attention_and_round_trips(tmp_path):
+    model = build_model(seed=1)
+    ehs = model.text.encode(["red circle", ""])
+    assert ehs.shape == (2, 2, 64)
+    out = model.unet(torch.randn(2, 3, 32, 32), torch.tensor(10), encoder_hidden_states=ehs).sample
+    assert out.shape == (2, 3, 32, 32)
+    attn = model.unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1
+    assert attn is not None and model.unet.config.block_out_channels[0] == 32  # 32x32 = 1024 tokens
+    save_model(model, tmp_path)
+    loaded = load_model(tmp_path)
+    for (k, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), k
