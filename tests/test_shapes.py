@@ -56,3 +56,17 @@ def test_model_has_1024_token_attention_and_round_trips(tmp_path):
     loaded = load_model(tmp_path)
     for (k, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+def test_generate_two_steps_plain_and_compiled():
+    from tome_compile import tome_backend
+    from tome_compile.shapes.sample import generate
+
+    model = build_model(seed=2).eval()
+    plain = generate(model, ["red circle", "blue ring"], [0, 1], steps=2)
+    assert plain.shape == (2, 3, 32, 32) and 0.0 <= plain.min() and plain.max() <= 1.0
+    compiled = torch.compile(model.unet, backend=tome_backend(0.5, compiler="eager", seed=0), fullgraph=True)
+    merged = generate(model, ["red circle", "blue ring"], [0, 1], steps=2, unet=compiled)
+    assert merged.shape == plain.shape and not torch.equal(merged, plain)
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        generate(model, ["red circle"], [0, 1])
