@@ -70,3 +70,13 @@ def test_generate_two_steps_plain_and_compiled():
     assert merged.shape == plain.shape and not torch.equal(merged, plain)
     with pytest.raises(ValueError, match="one seed per prompt"):
         generate(model, ["red circle"], [0, 1])
+
+
+def test_shipped_probe_loads_offline_and_reads_pictures():
+    from tome_compile.shapes.probe import load_probe
+
+    probe = load_probe()  # from the package, no network
+    images, prompts = render_batch(range(30_000_000, 30_000_300))  # pictures it never saw
+    predicted = probe.predict((torch.from_numpy(images) + 1) / 2)
+    accuracy = sum(p == q for p, q in zip(predicted, prompts)) / len(prompts)
+    assert accuracy >= 0.95
