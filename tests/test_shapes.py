@@ -80,3 +80,45 @@ def test_shipped_probe_loads_offline_and_reads_pictures():
     predicted = probe.predict((torch.from_numpy(images) + 1) / 2)
     accuracy = sum(p == q for p, q in zip(predicted, prompts)) / len(prompts)
     assert accuracy >= 0.95
+
+
+def test_psnr_and_ssim():
+    from tome_compile.shapes.metrics import psnr, ssim
+
+    a = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(ssim(a, a), torch.ones(3), atol=1e-5)
+    assert torch.isinf(psnr(a, a)).all()
+    noisy = (a + 0.1 * torch.randn(a.shape, generator=torch.Generator().manual_seed(1))).clamp(0, 1)
+    worse = (a + 0.3 * torch.randn(a.shape, generator=torch.Generator().manual_seed(1))).clamp(0, 1)
+    assert (ssim(a, noisy) > ssim(a, worse)).all() and (ssim(a, worse) < 0.9).all()
+    assert torch.allclose(psnr(torch.zeros(1, 1, 4, 4), torch.full((1, 1, 4, 4), 0.1)), torch.tensor([20.0]))
+
+
+def test_demo_command(tmp_path, capsys):
+    import json
+
+    from tome_compile.shapes.demo import main
+
+    save_model(build_model(seed=3), tmp_path / "m")
+    out = tmp_path / "demo.png"
+    code = main(["--model", str(tmp_path / "m"), "--steps", "2", "--seeds", "1", "--prompts", "red circle",
+                 "blue ring", "--compiler", "eager", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0 and out.is_file()
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["rows"] == ["plain", "tome 0.5", "importance 0.5"]
+    assert [r["method"] for r in data["results"]] == data["rows"]
+    assert data["results"][1]["psnr_db"] > 0 and 0 < data["results"][1]["ssim"] <= 1
+    assert "| tome 0.5 |" in printed and "PSNR" in printed
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--prompts", "purple hexagon"], "must be '<colour> <shape>'"),
+    (["--ratio", "0.9"], "ratio=0.9"),
+    (["--model", "/nonexistent"], "no model.safetensors"),
+])
+def test_demo_bad_input(argv, words, capsys):
+    from tome_compile.shapes.demo import main
+
+    assert main(argv + ["--compiler", "eager"]) == 2
+    assert words in capsys.readouterr().err
