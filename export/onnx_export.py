@@ -238,13 +238,13 @@ def _example_tome_inputs(result: ToMeResult, config: ToMeConfig, seed: int) -> l
     a drawn partition, and for importance a random map with ``has_map`` on (the importance branch)."""
     sampler = PartitionSampler(seed)
     g = sampler.generator(torch.device("cpu"))
-    pairs = (result.batch or 2) // 2
+    pairs = result.pairs
     values = {
         PARTITION_INPUT: lambda: sampler.draw(result.partition_cells, config.sx * config.sy,
                                               torch.device("cpu")),
         IMPORTANCE_INPUT: lambda: torch.rand(pairs, *(result.latent_hw or (1, 1)), generator=g),
         HAS_MAP_INPUT: lambda: torch.tensor(True),
-        DST_KEY_INPUT: lambda: torch.rand(pairs, sum(result.dst_key_sizes), generator=g),
+        DST_KEY_INPUT: lambda: sampler.draw_keys(pairs, sum(result.dst_key_sizes), torch.device("cpu")),
     }
     return [values[name]() for name in result.inputs]
 

@@ -104,9 +104,9 @@ class ToMeSession:
             feed["tome_importance"] = (current if current is not None else torch.zeros(shape)).float().numpy()
             feed["tome_has_map"] = np.array(current is not None)
             if "tome_dst_key" in self.inputs:
-                key_shape = [d if isinstance(d, int) else 1 for d in self.inputs["tome_dst_key"].shape]
-                g = self.sampler.generator(cpu)
-                keys = torch.rand(*key_shape, generator=g) if current is not None else torch.zeros(key_shape)
+                pairs, total = (d if isinstance(d, int) else 1 for d in self.inputs["tome_dst_key"].shape)
+                keys = (self.sampler.draw_keys(pairs, total, cpu) if current is not None
+                        else torch.zeros(pairs, total))
                 feed["tome_dst_key"] = keys.numpy()
         if "tome_partition" in self.inputs:
             cells = [(int(a), int(b)) for a, b in self.meta["partition_cells"]]

@@ -86,6 +86,11 @@ class ToMeResult:
         return [s for s in self.sites if s.rewritten]
 
     @property
+    def pairs(self) -> int:
+        """CFG pairs in the batch (``batch // 2``; 1 when the batch is unknown)."""
+        return (self.batch or 2) // 2
+
+    @property
     def partition_size(self) -> int:
         return sum(a * b for a, b in self.partition_cells)
 
@@ -385,9 +390,11 @@ def _rewrite(
         path = plan.site.path
         n_after = plan.n - plan.r
         with graph.inserting_before(plan.site.input.next):
-            if oracle:
-                slot = weight = None
-            elif importance:
+            choice = None
+            if partition is not None:  # (never in oracle mode: use_rand is off there)
+                choice = _tag(graph.call_function(torch.narrow, (partition, 0, offset, ch * cw)), path, "plan")
+            plan_node = None
+            if importance:
                 pool = pools[len(rows)]
                 key = None
                 if dst_key is not None:
@@ -396,28 +403,20 @@ def _rewrite(
                 fitted = _tag(graph.call_function(_merge.fit_importance, (imp_input, plan.h, plan.w)),
                               path, "plan")
                 if in_graph_fallback:
-                    choice = None
-                    if partition is not None:
-                        choice = _tag(graph.call_function(torch.narrow, (partition, 0, offset, ch * cw)),
-                                      path, "plan")
-                    plan_node = _tag(graph.call_function(
+                    plan_node = graph.call_function(
                         _merge.importance_or_tome_plan,
                         (plan.metric, has_map, fitted, key, choice, plan.h, plan.w, config.sx, config.sy,
-                         plan.r, config.pool_factor, config.dst_fraction)), path, "plan")
+                         plan.r, config.pool_factor, config.dst_fraction))
                 else:
-                    plan_node = _tag(graph.call_function(
+                    plan_node = graph.call_function(
                         _merge.importance_plan, (plan.metric, fitted, key, plan.h, plan.w, plan.r,
-                                                 config.pool_factor, config.dst_fraction)), path, "plan")
-                slot = _tag(graph.call_function(operator.getitem, (plan_node, 0)), path, "plan")
-                weight = _tag(graph.call_function(operator.getitem, (plan_node, 1)), path, "plan")
-            else:
-                choice = None
-                if partition is not None:
-                    choice = _tag(graph.call_function(torch.narrow, (partition, 0, offset, ch * cw)),
-                                  path, "plan")
-                plan_node = _tag(graph.call_function(
-                    _merge.tome_plan, (plan.metric, choice, plan.h, plan.w, config.sx, config.sy, plan.r)),
-                    path, "plan")
+                                                 config.pool_factor, config.dst_fraction))
+            elif not oracle:
+                plan_node = graph.call_function(
+                    _merge.tome_plan, (plan.metric, choice, plan.h, plan.w, config.sx, config.sy, plan.r))
+            slot = weight = None
+            if plan_node is not None:
+                _tag(plan_node, path, "plan")
                 slot = _tag(graph.call_function(operator.getitem, (plan_node, 0)), path, "plan")
                 weight = _tag(graph.call_function(operator.getitem, (plan_node, 1)), path, "plan")
         offset += ch * cw if partition is not None else 0

@@ -162,7 +162,7 @@ class ToMeBackend:
         device = _device_of(example_inputs)
         mode = _fake_mode(example_inputs)
         extra = []
-        pairs = (result.batch or 2) // 2
+        pairs = result.pairs
         for name in result.inputs:
             if name == PARTITION_INPUT:
                 value = torch.zeros(result.partition_size, dtype=torch.int64, device=device)
@@ -194,7 +194,7 @@ class ToMeBackend:
                          example_inputs: Sequence[Any]) -> Callable[..., Any]:
         sample_index, timestep_index, output_index = _unet_io(gm)
         state, sampler, use_rand = self.importance, self.sampler, DST_KEY_INPUT in result.inputs
-        pairs, total = (result.batch or 2) // 2, sum(result.dst_key_sizes)
+        pairs, total = result.pairs, sum(result.dst_key_sizes)
         device = _device_of(example_inputs)
 
         def run(*args: Any) -> Any:
@@ -206,8 +206,7 @@ class ToMeBackend:
             else:
                 extra = [current.to(device)]
                 if use_rand:
-                    g = sampler.generator(device)
-                    extra.append(torch.rand(pairs, total, generator=g, device=g.device).to(device))
+                    extra.append(sampler.draw_keys(pairs, total, device))
                 out = compiled(*args, *extra)
             outputs = out if isinstance(out, (list, tuple)) else [out]
             state.update(outputs[output_index])

@@ -52,3 +52,10 @@ class PartitionSampler:
                  for ch, cw in cells]
         out = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=g.device)
         return out.to(device, non_blocking=True)
+
+    def draw_keys(self, pairs: int, total: int, device: torch.device) -> torch.Tensor:
+        """``[pairs, total]`` uniform keys of importance merging's destination draw (one row per
+        CFG pair). The backend and ``ToMeSession`` both draw through here, in the same order, so
+        the compiled and ONNX paths see the same numbers."""
+        g = self.generator(device)
+        return torch.rand(pairs, total, generator=g, device=g.device).to(device, non_blocking=True)
