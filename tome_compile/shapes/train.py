@@ -2,8 +2,11 @@
 
 DDPM noise prediction (squared-cosine schedule, 1000 steps) on freshly rendered pictures (each
 batch its own seeds, so no picture repeats), 10% of prompts dropped to the null prompt for
-classifier-free guidance, AdamW with a short warm-up. Writes the weights, the settings, the wall
-time and the loss curve to ``--out`` (``train_log.json``); ``--resume`` continues from there.
+classifier-free guidance, AdamW with a short warm-up and a cosine decay over the run's wall-clock
+budget, and an exponential moving average (EMA) of the weights, which is what gets shipped. Writes
+the EMA weights, the settings, the wall time and the loss curve to ``--out`` (``train_log.json``);
+the raw weights and optimizer state go to ``--out/train_state.pt`` (not shipped) so that
+``--resume`` continues exactly where a run stopped.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=100_000)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--min-lr-fraction", type=float, default=0.05,
+                        help="the cosine decay ends at lr x this at the end of --minutes")
+    parser.add_argument("--ema", type=float, default=0.999, help="EMA decay per step (0 = off)")
     parser.add_argument("--p-uncond", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
@@ -45,16 +51,31 @@ def main(argv: list[str] | None = None) -> int:
     log_path = out / "train_log.json"
     log = {"settings": vars(args), "steps": 0, "seconds": 0.0, "loss": [], "images_seen": 0}
     model = build_model(args.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
+    state_path = out / "train_state.pt"
     if args.resume and log_path.is_file():
-        model = load_model(out)
+        ema_start = load_model(out)
+        if state_path.is_file():
+            state = torch.load(state_path, weights_only=True)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        else:  # a run from before EMA existed: its shipped weights are the raw weights
+            model.load_state_dict(ema_start.state_dict())
         log = json.loads(log_path.read_text())
-        log["settings"]["resumed"] = log["settings"].get("resumed", 0) + 1
+        log.setdefault("runs", []).append({k: v for k, v in vars(args).items()})
+    else:
+        ema_start = build_model(args.seed)
+        ema_start.load_state_dict(model.state_dict())
+        log["runs"] = [dict(vars(args))]
+    ema = ema_start.train()
+    for p in ema.parameters():
+        p.requires_grad_(False)
     model.train()
     scheduler = DDPMScheduler(num_train_timesteps=1000, beta_schedule="squaredcos_cap_v2")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
     null = torch.tensor([VOCAB.index("<null>")] * 2)
     g = torch.Generator().manual_seed(args.seed + log["steps"])
     start, step, window = time.perf_counter(), log["steps"], []
+    log_start, had_state = step, args.resume and state_path.is_file()
     previous_seconds = float(log["seconds"])
     budget = args.minutes * 60
     while step < args.max_steps and time.perf_counter() - start < budget:
@@ -67,15 +88,20 @@ def main(argv: list[str] | None = None) -> int:
         noise = torch.randn(x0.shape, generator=g)
         t = torch.randint(0, 1000, (len(ids),), generator=g)
         xt = scheduler.add_noise(x0, noise, t)
-        warm = min(1.0, (step + 1) / 200)
+        warm = 1.0 if had_state else min(1.0, (step - log_start + 1) / 200)
+        progress = min(1.0, (time.perf_counter() - start) / budget)
+        decay = args.min_lr_fraction + (1 - args.min_lr_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
         for group in optimizer.param_groups:
-            group["lr"] = args.lr * warm
+            group["lr"] = args.lr * warm * decay
         pred = model.unet(xt, t, encoder_hidden_states=model.text(ids)).sample
         loss = torch.nn.functional.mse_loss(pred, noise)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        if args.ema:
+            with torch.no_grad():
+                torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - args.ema)
         step += 1
         window.append(loss.item())
         if step % 25 == 0:
@@ -84,18 +110,23 @@ def main(argv: list[str] | None = None) -> int:
             window = []
             print(f"step {step} loss {log['loss'][-1][1]:.4f} {elapsed / 60:.1f} min", flush=True)
         if step % 200 == 0 or not math.isfinite(loss.item()):
-            _save(model, out, log, step, previous_seconds + time.perf_counter() - start, args)
-    _save(model, out, log, step, previous_seconds + time.perf_counter() - start, args)
+            _save(model, ema if args.ema else model, optimizer, out, log, step,
+                  previous_seconds + time.perf_counter() - start, args)
+    _save(model, ema if args.ema else model, optimizer, out, log, step,
+                  previous_seconds + time.perf_counter() - start, args)
     print(f"trained {step} steps in {log['seconds'] / 60:.1f} min; wrote {out}", file=sys.stderr)
     return 0
 
 
-def _save(model: torch.nn.Module, out: Path, log: dict, step: int, seconds: float,
-          args: argparse.Namespace) -> None:
+def _save(model: torch.nn.Module, shipped: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          out: Path, log: dict, step: int, seconds: float, args: argparse.Namespace) -> None:
     from tome_compile.shapes.model import save_model
 
     log["seconds"], log["steps"], log["images_seen"] = round(seconds, 1), step, step * args.batch
-    save_model(model, out, {"train": {"steps": step, "batch": args.batch, "lr": args.lr}})
+    save_model(shipped, out, {"train": {"steps": step, "batch": args.batch, "lr": args.lr, "ema": args.ema}})
+    tmp = out / "train_state.pt.tmp"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp)
+    tmp.replace(out / "train_state.pt")
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
 
 
