@@ -115,10 +115,138 @@ def test_demo_command(tmp_path, capsys):
 @pytest.mark.parametrize("argv, words", [
     (["--prompts", "purple hexagon"], "must be '<colour> <shape>'"),
     (["--ratio", "0.9"], "ratio=0.9"),
-    (["--model", "/nonexistent"], "no model.safetensors"),
+    (["--model", "/nonexistent"], "does not exist"),
+    (["--model", "."], "no model.safetensors"),
+    (["--out", "grid.txt"], "picture suffix"),
+    (["--out", "/nonexistent/grid.png"], "does not exist"),
+    (["--steps", "0"], "--steps 0"),
 ])
 def test_demo_bad_input(argv, words, capsys):
     from tome_compile.shapes.demo import main
 
     assert main(argv + ["--compiler", "eager"]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_bootstrap_mean_interval():
+    from tome_compile.shapes.metrics import bootstrap_mean
+
+    values = torch.randn(400, generator=torch.Generator().manual_seed(0)) + 3.0
+    mean, low, high = bootstrap_mean(values)
+    assert low < mean < high and abs(mean - float(values.double().mean())) < 1e-12
+    # the normal-theory 95% half-width is 1.96 * sd / sqrt(n) ~ 0.098 here
+    assert 0.08 < (high - low) / 2 < 0.12 and low < 3.0 < high
+    assert bootstrap_mean(values) == bootstrap_mean(values)  # reproducible
+    assert bootstrap_mean(torch.full((10,), 2.0)) == (2.0, 2.0, 2.0)
+    with pytest.raises(ValueError, match="finite"):
+        bootstrap_mean(torch.tensor([1.0, float("inf")]))
+
+
+def test_quality_benchmark_tables():
+    from tome_compile.shapes.probe import load_probe
+    from tome_compile.shapes.quality import format_tables, run_quality
+
+    model = build_model(seed=4).eval()
+    prompts, seeds = ["red circle", "blue ring", "green cross", "cyan square"], [0, 1, 2, 3]
+    result = run_quality(model, load_probe(), prompts, seeds, ratios=[0.3, 0.7], steps=2, compiler="eager",
+                         progress=False)
+    names = [r["method"] for r in result["rows"]]
+    assert names == ["plain", "plain, other seeds", "tome 0.3", "importance 0.3", "tome 0.7", "importance 0.7"]
+    rows = {r["method"]: r for r in result["rows"]}
+    for name in names[1:]:
+        mean, low, high = rows[name]["psnr_db"]
+        assert low <= mean <= high and len(result["per_image"][name]["psnr_db"]) == 4
+    # merging keeps pictures much closer to the plain ones than a different seed does
+    assert rows["tome 0.3"]["psnr_db"][0] > rows["plain, other seeds"]["psnr_db"][0] + 10
+    assert rows["tome 0.3"]["psnr_db"][0] > rows["tome 0.7"]["psnr_db"][0]  # more merging, less fidelity
+    assert [e["ratio"] for e in result["paired"]] == [0.3, 0.7]
+    delta = result["paired"][0]["delta_psnr_db"][0]
+    per = result["per_image"]
+    expected = sum(a - b for a, b in zip(per["importance 0.3"]["psnr_db"], per["tome 0.3"]["psnr_db"])) / 4
+    assert abs(delta - expected) < 1e-9
+    table = format_tables(result)
+    assert "| tome 0.7 |" in table and "| 0.3 |" in table and "plain, other seeds" in table
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--ratios", "0.3", "0.95"], "ratio=0.95"),
+    (["--seeds", "0"], "--seeds 0"),
+    (["--out", "/nonexistent/q.json"], "does not exist"),
+])
+def test_quality_bad_input(argv, words, capsys):
+    from tome_compile.shapes.quality import main
+
+    assert main(argv + ["--compiler", "eager"]) == 2
+    assert words in capsys.readouterr().err
+
+
+def _tiny_pipeline_folder(folder):
+    import json
+    import string
+
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for c in string.ascii_lowercase:
+        vocab[c] = len(vocab)
+        vocab[c + "</w>"] = len(vocab)
+    folder.mkdir()
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=8)
+    torch.manual_seed(0)
+    text = CLIPTextModel(CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=37,
+                                        num_attention_heads=4, num_hidden_layers=2, max_position_embeddings=8,
+                                        bos_token_id=0, eos_token_id=1, pad_token_id=1))
+    unet = UNet2DConditionModel(sample_size=8, block_out_channels=(32, 64), layers_per_block=1,
+                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+                                attention_head_dim=2, norm_num_groups=8)
+    vae = AutoencoderKL(block_out_channels=(8,), down_block_types=("DownEncoderBlock2D",),
+                        up_block_types=("UpDecoderBlock2D",), latent_channels=4, norm_num_groups=8, sample_size=8)
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=tokenizer, unet=unet, scheduler=DDIMScheduler(),
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.save_pretrained(folder / "pipe")
+    return folder / "pipe"
+
+
+def test_demo_with_a_local_diffusers_pipeline(tmp_path, capsys):
+    import json
+
+    from tome_compile.shapes.demo import main
+
+    pipe = _tiny_pipeline_folder(tmp_path / "p")
+    out = tmp_path / "grid.png"
+    code = main(["--model", str(pipe), "--size", "16", "--steps", "2", "--seeds", "2", "--prompts", "a cat",
+                 "--compiler", "eager", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0 and out.is_file()
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["model"] == str(pipe) and data["rows"] == ["plain", "tome 0.5", "importance 0.5"]
+    merged = data["results"][1]
+    assert merged["probe_accuracy"] is None and 0 < merged["ssim"] <= 1 and merged["psnr_db"] > 0
+    assert "n/a" in printed
+    from PIL import Image
+
+    assert Image.open(out).size == (16 * 2 * 4, 16 * 3 * 4)  # 2 pictures per row, 3 rows, 16x16 shown 4x
+
+
+def test_demo_with_a_unet_folder(tmp_path, capsys):
+    from tome_compile.shapes.demo import main
+
+    build_model(seed=5).unet.save_pretrained(tmp_path / "unet")
+    out = tmp_path / "u.png"
+    assert main(["--model", str(tmp_path / "unet"), "--steps", "2", "--seeds", "1", "--prompts", "red circle",
+                 "--compiler", "eager", "--out", str(out)]) == 0
+    assert out.is_file() and "| importance 0.5 |" in capsys.readouterr().out
+    # a U-Net that is not the shapes model's cannot make pictures alone: clear error, nothing written
+    from diffusers import UNet2DConditionModel
+
+    UNet2DConditionModel(sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
+                         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), norm_num_groups=8,
+                         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D")).save_pretrained(tmp_path / "sd")
+    assert main(["--model", str(tmp_path / "sd"), "--compiler", "eager", "--out", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "model_index.json" in err and "in_channels" in err
+    assert not (tmp_path / "x.png").exists() and not (tmp_path / "x.json").exists()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["COLOURS", "SHAPES", "VOCAB", "NULL_TOKEN", "Example", "render", "render_batch", "tokenize"]
+__all__ = ["COLOURS", "NULL_TOKEN", "SHAPES", "VOCAB", "Example", "render", "render_batch", "tokenize"]
 
 COLOURS: dict[str, tuple[float, float, float]] = {
     "red": (0.90, 0.12, 0.12),

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +36,85 @@ def _weights_folder(model: str | None) -> Path:
     folder = Path(model) if model else Path(__file__).parent / "weights"
     if not (folder / "model.safetensors").is_file():
         raise ToMeModelError(f"{str(folder)!r} has no model.safetensors: give a folder written by "
-                             "python -m tome_compile.shapes.train (diffusers pipelines are not supported "
-                             "by the demo yet)")
+                             "python -m tome_compile.shapes.train")
     return folder
+
+
+@dataclass
+class Target:
+    """What the demo generates with: a U-Net to compile and a sampler that takes any U-Net callable."""
+
+    name: str
+    unet: torch.nn.Module
+    sample: Callable[[Any, list[str], list[int], int, float], torch.Tensor]  # -> [N, 3, H, W] in [0, 1]
+    shapes_prompts: bool  # prompts are "<colour> <shape>" and the probe can score the pictures
+
+
+def load_target(model: str | None, size: int | None = None) -> Target:
+    """The shipped shapes model, a shapes-model folder, a diffusers pipeline folder
+    (``model_index.json``) or a diffusers U-Net folder with the shapes model's interface."""
+    from tome_compile.shapes.model import load_model
+    from tome_compile.shapes.sample import generate
+
+    folder = Path(model) if model else Path(__file__).parent / "weights"
+    if not folder.exists():
+        raise ToMeModelError(f"--model {str(folder)!r} does not exist; give a shapes-model folder, a diffusers "
+                             "pipeline folder (with model_index.json) or a U-Net folder (config.json)")
+    if (folder / "model_index.json").is_file():
+        return _pipeline_target(folder, size)
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    if config.get("_class_name") == "UNet2DConditionModel":
+        from diffusers import UNet2DConditionModel
+
+        interface = {"in_channels": 3, "out_channels": 3, "sample_size": 32, "cross_attention_dim": 64}
+        wrong = {k: config.get(k) for k, v in interface.items() if config.get(k) != v}
+        if wrong:
+            raise ToMeModelError(f"U-Net {str(folder)!r} has {wrong}, not the shapes model's {interface}: a U-Net "
+                                 "alone cannot make pictures without its text encoder and VAE; give the pipeline "
+                                 "folder (the one with model_index.json) instead")
+        shapes = load_model(Path(__file__).parent / "weights")  # the shipped prompt encoder
+        shapes.unet = UNet2DConditionModel.from_pretrained(folder, local_files_only=True).eval()
+        return Target(str(folder), shapes.unet, lambda unet, p, s, n, g: generate(
+            shapes, p, s, steps=n, guidance=g, unet=unet), True)
+    shapes = load_model(_weights_folder(model))
+    return Target(str(folder), shapes.unet, lambda unet, p, s, n, g: generate(
+        shapes, p, s, steps=n, guidance=g, unet=unet), True)
+
+
+def _pipeline_target(folder: Path, size: int | None) -> Target:
+    from diffusers import DiffusionPipeline
+
+    try:
+        pipe = DiffusionPipeline.from_pretrained(folder, local_files_only=True, safety_checker=None)
+    except Exception as e:  # diffusers raises many types for a broken folder
+        raise ToMeModelError(f"could not load the diffusers pipeline in {str(folder)!r} ({type(e).__name__}: "
+                             f"{e}); check that every component named in model_index.json is saved there") from e
+    if not hasattr(pipe, "unet"):
+        raise ToMeModelError(f"pipeline {type(pipe).__name__} in {str(folder)!r} has no .unet to merge tokens in")
+    pipe.set_progress_bar_config(disable=True)
+    original = pipe.unet
+
+    @torch.no_grad()
+    def sample(unet: Any, prompts: list[str], seeds: list[int], steps: int, guidance: float) -> torch.Tensor:
+        pipe.unet = unet
+        try:
+            out = pipe(prompt=prompts, num_inference_steps=steps, guidance_scale=guidance, height=size, width=size,
+                       generator=[torch.Generator().manual_seed(s) for s in seeds], output_type="pt")
+        finally:
+            pipe.unet = original
+        return out.images.float().clamp(0, 1)
+
+    return Target(str(folder), original, sample, False)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tome-demo", description=__doc__, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="a shapes-model folder (default: the shipped one)")
+    parser.add_argument("--model", default=None, help="a shapes-model folder, a local diffusers pipeline folder "
+                        "(model_index.json) or U-Net folder (default: the shipped shapes model)")
+    parser.add_argument("--size", type=int, default=None,
+                        help="picture height and width for a diffusers pipeline (default: its own)")
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--guidance", type=float, default=3.0)
@@ -65,65 +138,83 @@ def _run(args: argparse.Namespace) -> int:
     from tome_compile import ToMeConfig, tome_backend
     from tome_compile.shapes.data import tokenize
     from tome_compile.shapes.metrics import psnr, ssim
-    from tome_compile.shapes.model import load_model
     from tome_compile.shapes.probe import load_probe
-    from tome_compile.shapes.sample import generate
 
-    for p in args.prompts:
-        tokenize(p)  # clear error for an unknown word
     ToMeConfig(ratio=args.ratio, method="importance")  # validates the ratio for both methods
-    folder = _weights_folder(args.model)
-    model = load_model(folder)
-    probe = load_probe()
+    out = Path(args.out)
+    if out.suffix.lower() not in Image.registered_extensions():
+        raise ValueError(f"--out {args.out!r} needs a picture suffix such as .png")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist; create it first")
+    if args.steps < 1 or args.seeds < 1:
+        raise ValueError(f"--steps {args.steps} and --seeds {args.seeds} must both be >= 1")
+    target = load_target(args.model, args.size)
+    if target.shapes_prompts:
+        for p in args.prompts:
+            tokenize(p)  # clear error for an unknown word
     prompts = [p for p in args.prompts for _ in range(args.seeds)]
     seeds = [s for _ in args.prompts for s in range(args.seeds)]
+    unet = target.unet
     methods: dict[str, Any] = {
-        "plain": torch.compile(model.unet, backend=args.compiler, dynamic=False)
-        if args.compiler != "eager" else model.unet,
-        f"tome {args.ratio}": torch.compile(model.unet, dynamic=False, backend=tome_backend(
+        "plain": torch.compile(unet, backend=args.compiler, dynamic=False) if args.compiler != "eager" else unet,
+        f"tome {args.ratio}": torch.compile(unet, dynamic=False, backend=tome_backend(
             args.ratio, seed=0, compiler=args.compiler)),
-        f"importance {args.ratio}": torch.compile(model.unet, dynamic=False, backend=tome_backend(
+        f"importance {args.ratio}": torch.compile(unet, dynamic=False, backend=tome_backend(
             args.ratio, seed=0, method="importance", compiler=args.compiler)),
     }
     images: dict[str, torch.Tensor] = {}
     seconds: dict[str, float] = {}
     with tqdm(total=2 * len(methods), desc="tome-demo", unit="run", file=sys.stderr) as bar:
-        for name, unet in methods.items():
+        for name, compiled in methods.items():
             bar.set_postfix_str(f"{name}: compile + warm-up")
-            generate(model, prompts, seeds, steps=2, guidance=args.guidance, unet=unet)  # same shapes: no recompile later
+            target.sample(compiled, prompts, seeds, min(2, args.steps), args.guidance)  # same shapes: no recompile
             bar.update(1)
             bar.set_postfix_str(f"{name}: {len(prompts)} pictures")
             start = time.perf_counter()
-            images[name] = generate(model, prompts, seeds, steps=args.steps, guidance=args.guidance, unet=unet)
+            images[name] = target.sample(compiled, prompts, seeds, args.steps, args.guidance)
             seconds[name] = (time.perf_counter() - start) / len(prompts)
             bar.update(1)
     plain = images["plain"]
+    probe = load_probe() if target.shapes_prompts else None
     rows = []
     for name, imgs in images.items():
-        predicted = probe.predict(imgs)
         rows.append({
             "method": name, "seconds_per_image": seconds[name], "speedup": seconds["plain"] / seconds[name],
-            "psnr_db": None if name == "plain" else float(psnr(imgs, plain).mean()),
+            "psnr_db": None if name == "plain" else float(psnr(imgs, plain).clamp(max=100.0).mean()),
             "ssim": None if name == "plain" else float(ssim(imgs, plain).mean()),
-            "probe_accuracy": sum(p == q for p, q in zip(predicted, prompts)) / len(prompts),
+            "probe_accuracy": None if probe is None else
+            sum(p == q for p, q in zip(probe.predict(imgs), prompts)) / len(prompts),
         })
-    grid = np.concatenate([np.concatenate(list((images[n].permute(0, 2, 3, 1).numpy() * 255).astype(np.uint8)), 1)
-                           for n in images], 0)
-    out = Path(args.out)
-    Image.fromarray(grid).resize((grid.shape[1] * 4, grid.shape[0] * 4), Image.NEAREST).save(out)
-    meta = {"model": str(folder), "prompts": prompts, "seeds": seeds, "steps": args.steps,
+    grid = np.concatenate([np.concatenate(list((images[n].permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)),
+                                          1) for n in images], 0)
+    picture = Image.fromarray(grid)
+    if plain.shape[-1] <= 64:  # 32x32 pictures are easier to see 4x larger
+        picture = picture.resize((grid.shape[1] * 4, grid.shape[0] * 4), Image.NEAREST)
+    _write_atomically(out, lambda path: picture.save(path, format=Image.registered_extensions()[out.suffix.lower()]))
+    meta = {"model": target.name, "prompts": prompts, "seeds": seeds, "steps": args.steps,
             "guidance": args.guidance, "compiler": args.compiler, "rows": list(images), "results": rows}
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
+    _write_atomically(out.with_suffix(".json"), lambda path: path.write_text(json.dumps(meta, indent=1)))
     print(f"{len(prompts)} pictures per method, {args.steps} steps, guidance {args.guidance}; "
           "PSNR/SSIM = fidelity to the plain model with the same seed")
     print("| method | s / image | speed-up | PSNR vs plain | SSIM vs plain | probe accuracy |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         fid = ("-", "-") if r["psnr_db"] is None else (f"{r['psnr_db']:.1f} dB", f"{r['ssim']:.3f}")
+        accuracy = "n/a" if r["probe_accuracy"] is None else f"{r['probe_accuracy']:.0%}"
         print(f"| {r['method']} | {r['seconds_per_image']:.3f} | {r['speedup']:.2f}x | {fid[0]} | {fid[1]} | "
-              f"{r['probe_accuracy']:.0%} |")
+              f"{accuracy} |")
     print(f"wrote {out} (rows: {', '.join(images)}) and {out.with_suffix('.json')}")
     return 0
+
+
+def _write_atomically(path: Path, write: Callable[[Path], Any]) -> None:
+    """Write through a temporary file in the same folder, then rename: never a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

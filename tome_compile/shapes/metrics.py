@@ -4,13 +4,31 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["psnr", "ssim"]
+__all__ = ["bootstrap_mean", "psnr", "ssim"]
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per-image PSNR in dB of ``[N, C, H, W]`` pictures in ``[0, 1]`` (inf when identical)."""
     mse = ((a.float() - b.float()) ** 2).flatten(1).mean(1)
     return 10 * torch.log10(1.0 / mse)
+
+
+def bootstrap_mean(values: torch.Tensor, *, resamples: int = 5000, level: float = 0.95,
+                   seed: int = 0) -> tuple[float, float, float]:
+    """Mean of ``values`` and its percentile bootstrap interval: ``(mean, low, high)``.
+
+    Resamples the items (images) with replacement, all resamples in one indexing op; a fixed
+    ``seed`` makes the interval reproducible. Paired comparisons pass per-image differences."""
+    values = torch.as_tensor(values, dtype=torch.float64).flatten()
+    if values.numel() < 2 or not torch.isfinite(values).all():
+        raise ValueError(f"bootstrap needs >= 2 finite values, got {values.numel()} "
+                         f"({int((~torch.isfinite(values)).sum())} not finite)")
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, values.numel(), (resamples, values.numel()), generator=g)
+    means = values[idx].mean(1)
+    tail = (1 - level) / 2
+    low, high = torch.quantile(means, torch.tensor([tail, 1 - tail], dtype=torch.float64)).tolist()
+    return float(values.mean()), low, high
 
 
 def ssim(a: torch.Tensor, b: torch.Tensor, window: int = 7, sigma: float = 1.5) -> torch.Tensor:

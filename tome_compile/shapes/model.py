@@ -18,13 +18,13 @@ from tome_compile.shapes.data import VOCAB, tokenize
 
 __all__ = ["UNET_CONFIG", "PromptEncoder", "ShapesModel", "build_model", "load_model", "save_model"]
 
-UNET_CONFIG: dict[str, Any] = dict(
-    sample_size=32, in_channels=3, out_channels=3,
-    block_out_channels=(32, 64, 96), layers_per_block=1,
-    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-    cross_attention_dim=64, attention_head_dim=(1, 2, 3), norm_num_groups=8,
-)
+UNET_CONFIG: dict[str, Any] = {
+    "sample_size": 32, "in_channels": 3, "out_channels": 3,
+    "block_out_channels": (32, 64, 96), "layers_per_block": 1,
+    "down_block_types": ("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+    "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    "cross_attention_dim": 64, "attention_head_dim": (1, 2, 3), "norm_num_groups": 8,
+}
 
 
 class PromptEncoder(torch.nn.Module):

@@ -37,6 +37,11 @@ class Probe(torch.nn.Module):
         return self.shape_head(f), self.colour_head(f)
 
     @torch.no_grad()
+    def embed(self, images01: torch.Tensor) -> torch.Tensor:
+        """Penultimate features ``[B, 64]`` of pictures in ``[0, 1]`` (for feature distances)."""
+        return self.features(images01 * 2 - 1)
+
+    @torch.no_grad()
     def predict(self, images01: torch.Tensor) -> list[str]:
         """Prompts predicted for ``[B, 3, 32, 32]`` pictures in ``[0, 1]``."""
         s, c = self(images01 * 2 - 1)

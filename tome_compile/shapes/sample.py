@@ -7,7 +7,8 @@ from its own seed, so the same (prompt, seed) pair is comparable across methods.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -1,0 +1,175 @@
+"""Quality benchmark: what token merging costs in fidelity, on the project's own model.
+
+``python -m tome_compile.shapes.quality`` generates a fixed set of pictures (every
+colour x shape prompt x ``--seeds`` seeds: 120 pairs by default) with the plain model, and with
+random ToMe and importance-based merging at each ratio, each through
+``torch.compile(unet, backend=tome_backend(...))``. It prints two tables and writes a JSON file
+with every per-picture number:
+
+* fidelity to the plain model with the same seed: PSNR and SSIM (mean and percentile bootstrap
+  95% interval over pictures), probe accuracy, and the distance between the probe's features of
+  the merged and the plain picture. The "plain, other seeds" row is the noise floor: the same
+  prompts with a second seed set, i.e. how far apart two *different* correct pictures are;
+* importance minus ToMe at equal ratio, paired per picture: mean difference with its interval
+  and the share of pictures on which importance is closer to the plain picture (ties count 1/2).
+
+These are fidelity to the unmerged model on our own 32x32 model, not FID or CLIP score.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tome_compile.errors import ToMeError
+
+__all__ = ["main", "run_quality"]
+
+logger = logging.getLogger(__name__)
+
+NOISE_FLOOR_SEED = 1_000_000  # the second plain seed set starts here
+PSNR_CAP_DB = 100.0  # identical pictures have infinite PSNR; cap so that means stay finite
+
+
+def _compiled(unet: torch.nn.Module, method: str, ratio: float, compiler: str) -> Any:
+    from tome_compile import tome_backend
+
+    if method == "plain":
+        return unet if compiler == "eager" else torch.compile(unet, backend=compiler, dynamic=False)
+    return torch.compile(unet, dynamic=False, backend=tome_backend(ratio, seed=0, method=method, compiler=compiler))
+
+
+def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *, ratios: list[float],
+                methods: tuple[str, ...] = ("tome", "importance"), steps: int = 20, guidance: float = 3.0,
+                compiler: str = "inductor", progress: bool = True) -> dict[str, Any]:
+    """Generate and score the fixed set; returns per-picture numbers and the summaries."""
+    from tqdm import tqdm
+
+    from tome_compile.shapes.metrics import bootstrap_mean, psnr, ssim
+    from tome_compile.shapes.sample import generate
+
+    runs: list[tuple[str, str, float]] = [("plain", "plain", 0.0), ("plain, other seeds", "plain", 0.0)]
+    runs += [(f"{m} {r}", m, r) for r in ratios for m in methods]
+    images: dict[str, torch.Tensor] = {}
+    other_seeds = [NOISE_FLOOR_SEED + s for s in seeds]
+    for name, method, ratio in tqdm(runs, desc="quality", unit="method", disable=not progress, file=sys.stderr):
+        unet = _compiled(model.unet, method, ratio, compiler)
+        images[name] = generate(model, prompts, other_seeds if name == "plain, other seeds" else seeds,
+                                steps=steps, guidance=guidance, unet=unet)
+        logger.info("generated %d pictures: %s", len(prompts), name)
+
+    plain = images["plain"]
+    plain_features = probe.embed(plain)
+    per_image: dict[str, dict[str, list[float]]] = {}
+    rows = []
+    for name, imgs in images.items():
+        predicted = probe.predict(imgs)
+        correct = torch.tensor([float(p == q) for p, q in zip(predicted, prompts)])
+        row: dict[str, Any] = {"method": name, "probe_accuracy": float(correct.mean())}
+        if name != "plain":
+            p = psnr(imgs, plain).clamp(max=PSNR_CAP_DB)
+            s = ssim(imgs, plain)
+            f = (probe.embed(imgs) - plain_features).norm(dim=1)
+            per_image[name] = {"psnr_db": p.tolist(), "ssim": s.tolist(), "feature_distance": f.tolist(),
+                               "probe_correct": correct.tolist()}
+            for key, values in (("psnr_db", p), ("ssim", s), ("feature_distance", f)):
+                row[key] = bootstrap_mean(values)
+        rows.append(row)
+
+    paired = []
+    if {"tome", "importance"} <= set(methods):
+        for r in ratios:
+            a, b = per_image[f"importance {r}"], per_image[f"tome {r}"]
+            entry: dict[str, Any] = {"ratio": r}
+            for key in ("psnr_db", "ssim"):
+                x, y = torch.tensor(a[key], dtype=torch.float64), torch.tensor(b[key], dtype=torch.float64)
+                entry[f"delta_{key}"] = bootstrap_mean(x - y)
+                entry[f"importance_wins_{key}"] = bootstrap_mean((x > y).double() + 0.5 * (x == y).double())
+            paired.append(entry)
+    return {"pictures": len(prompts), "prompts": prompts, "seeds": seeds, "other_seeds": other_seeds,
+            "steps": steps, "guidance": guidance, "compiler": compiler, "ratios": ratios,
+            "rows": rows, "paired": paired, "per_image": per_image}
+
+
+def _ci(v: tuple[float, float, float], fmt: str) -> str:
+    return f"{v[0]:{fmt}} [{v[1]:{fmt}}, {v[2]:{fmt}}]"
+
+
+def format_tables(result: dict[str, Any]) -> str:
+    lines = [(f"{result['pictures']} prompt x seed pairs, {result['steps']} DDIM steps, guidance "
+             f"{result['guidance']}, compiler {result['compiler']}; mean [bootstrap 95% interval]; "
+             "fidelity to the plain model with the same seed"), "",
+             "| method | PSNR vs plain (dB) | SSIM vs plain | probe feature distance | probe accuracy |",
+             "|---|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        if r["method"] == "plain":
+            lines.append(f"| plain | - | - | - | {r['probe_accuracy']:.1%} |")
+            continue
+        lines.append(f"| {r['method']} | {_ci(r['psnr_db'], '.2f')} | {_ci(r['ssim'], '.4f')} | "
+                     f"{_ci(r['feature_distance'], '.3f')} | {r['probe_accuracy']:.1%} |")
+    if result["paired"]:
+        lines += ["", "importance minus random ToMe at equal ratio, paired per picture:", "",
+                  "| ratio | delta PSNR (dB) | delta SSIM | importance closer (PSNR) | importance closer (SSIM) |",
+                  "|---:|---:|---:|---:|---:|"]
+        for e in result["paired"]:
+            lines.append(f"| {e['ratio']} | {_ci(e['delta_psnr_db'], '+.2f')} | {_ci(e['delta_ssim'], '+.4f')} | "
+                         f"{_ci(e['importance_wins_psnr_db'], '.0%')} | {_ci(e['importance_wins_ssim'], '.0%')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tome_compile.shapes.data import COLOURS, SHAPES
+
+    parser = argparse.ArgumentParser(prog="python -m tome_compile.shapes.quality", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a shapes-model folder (default: the shipped one)")
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.3, 0.5, 0.7])
+    parser.add_argument("--seeds", type=int, default=4, help="seeds per prompt (30 prompts)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--guidance", type=float, default=3.0)
+    parser.add_argument("--compiler", default="inductor", help="inner compiler: inductor or eager")
+    parser.add_argument("--out", default="bench/quality.json", help="JSON with every per-picture number")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        from tome_compile import ToMeConfig
+        from tome_compile.shapes.demo import _weights_folder
+        from tome_compile.shapes.model import load_model
+        from tome_compile.shapes.probe import load_probe
+
+        for r in args.ratios:
+            ToMeConfig(ratio=r, method="importance")
+        if args.seeds < 1:
+            raise ValueError(f"--seeds {args.seeds} must be >= 1 (4 gives the default 120 pairs)")
+        out = Path(args.out)
+        if not out.parent.is_dir():
+            raise ValueError(f"--out {str(out)!r}: folder {str(out.parent)!r} does not exist; create it first")
+        folder = _weights_folder(args.model)
+        prompts = [f"{c} {s}" for c in COLOURS for s in SHAPES for _ in range(args.seeds)]
+        seeds = [k for _ in COLOURS for _ in SHAPES for k in range(args.seeds)]
+        result = run_quality(load_model(folder), load_probe(), prompts, seeds, ratios=args.ratios,
+                             steps=args.steps, guidance=args.guidance, compiler=args.compiler)
+    except (ToMeError, ValueError) as e:
+        print(f"quality: error: {e}", file=sys.stderr)
+        return 2
+    result["model"] = str(folder)
+    result["command"] = "python -m tome_compile.shapes.quality " + " ".join(argv if argv is not None else sys.argv[1:])
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, out)
+    print(format_tables(result))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
