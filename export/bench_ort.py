@@ -69,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import onnxruntime as ort
     import torch
+    from tome_compile.export import export_onnx
     from tqdm import tqdm
 
     from tome_compile.bench import PeakMemory
     from tome_compile.config import ToMeConfig
-    from tome_compile.export import export_onnx
     from tome_compile.models import example_inputs, load_unet
 
     workdir = Path(args.workdir)

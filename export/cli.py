@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from tome_compile.export.onnx_export import check_output_path, export_onnx
     from tqdm import tqdm
 
-    from tome_compile.export.onnx_export import check_output_path, export_onnx
     from tome_compile.models import ARCHITECTURES, load_unet
 
     for name in ("height", "width"):

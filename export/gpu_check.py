@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
               f"torch.cuda={torch.cuda.is_available()}, providers={ort.get_available_providers()}",
               file=sys.stderr)
         return 2
-    from tome_compile.config import ToMeConfig
     from tome_compile.export import ToMeSession, export_onnx
+
+    from tome_compile.config import ToMeConfig
     from tome_compile.models import example_inputs, load_unet
 
     out = Path(args.out)

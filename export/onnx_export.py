@@ -19,18 +19,14 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
-import torch.fx as fx
-
-from tome_compile.config import ToMeConfig
-from tome_compile.errors import ToMeExportError
 from tome_compile.export.inventory import InventoryReport, check_op_inventory
-from tome_compile.models import example_inputs, unet_input_names
 from tome_compile.passes import (
     DST_KEY_INPUT,
     HAS_MAP_INPUT,
@@ -39,9 +35,14 @@ from tome_compile.passes import (
     ToMeResult,
     merge_self_attention,
 )
+from torch import fx
+
+from tome_compile.config import ToMeConfig
+from tome_compile.errors import ToMeExportError
+from tome_compile.models import example_inputs, unet_input_names
 from tome_compile.sampler import PartitionSampler
 
-__all__ = ["ExportResult", "export_onnx", "METADATA_KEY", "check_output_path"]
+__all__ = ["METADATA_KEY", "ExportResult", "check_output_path", "export_onnx"]
 
 logger = logging.getLogger("tome_compile.export")
 
@@ -198,7 +199,7 @@ def export_onnx(
             program = torch.onnx.export(gm, tuple(args) + tuple(extra), dynamo=True, opset_version=opset,
                                         input_names=input_names, output_names=[OUTPUT_NAME],
                                         external_data=True, verbose=False)
-        except Exception as e:  # noqa: BLE001 - the exporter's failure, one line, with its cause
+        except Exception as e:
             cause = e
             while cause.__cause__ is not None:
                 cause = cause.__cause__

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
+from tome_compile.export.onnx_export import METADATA_KEY
 
 from tome_compile.errors import ToMeExportError
-from tome_compile.export.onnx_export import METADATA_KEY
 from tome_compile.importance import ImportanceState
 from tome_compile.sampler import PartitionSampler
 

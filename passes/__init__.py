@@ -14,11 +14,11 @@ from tome_compile.passes.merge_self_attention import (
 from tome_compile.passes.sites import AttentionSite, find_attention_sites
 
 __all__ = [
-    "AttentionSite",
     "DST_KEY_INPUT",
     "HAS_MAP_INPUT",
     "IMPORTANCE_INPUT",
     "PARTITION_INPUT",
+    "AttentionSite",
     "ToMeResult",
     "ToMeSite",
     "find_attention_sites",

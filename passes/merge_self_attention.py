@@ -17,19 +17,27 @@ from __future__ import annotations
 import copy
 import logging
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
-import torch.fx as fx
-
 from tome_compile.passes import sites as _sites
+from torch import fx
+
 from tome_compile import merge as _merge
 from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeRewriteError
 
-__all__ = ["ToMeSite", "ToMeResult", "merge_self_attention", "PARTITION_INPUT", "IMPORTANCE_INPUT",
-           "HAS_MAP_INPUT", "DST_KEY_INPUT"]
+__all__ = [
+    "DST_KEY_INPUT",
+    "HAS_MAP_INPUT",
+    "IMPORTANCE_INPUT",
+    "PARTITION_INPUT",
+    "ToMeResult",
+    "ToMeSite",
+    "merge_self_attention",
+]
 
 logger = logging.getLogger("tome_compile.passes")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 __all__ = [
     "AttentionSite", "block_grid", "find_attention_sites", "latent_size", "module_path", "node_shape",
@@ -106,9 +106,7 @@ def _projection_of(node: Any) -> fx.Node | None:
             return None
         if _is_call(node, _LINEAR_OPS):
             return node
-        if node.op == "call_method" and node.target in _PASSTHROUGH_METHODS:
-            node = node.args[0]
-        elif node.op == "call_function" and node.target in _PASSTHROUGH_FUNCS:
+        if node.op == "call_method" and node.target in _PASSTHROUGH_METHODS or node.op == "call_function" and node.target in _PASSTHROUGH_FUNCS:
             node = node.args[0]
         else:
             return None
@@ -122,9 +120,7 @@ def _softmax_input(node: Any) -> Any:
             return None
         if _is_call(node, _SOFTMAX_OPS) or (node.op == "call_method" and node.target == "softmax"):
             return node.args[0]
-        if node.op == "call_method" and node.target in ("to", "float", "half", "bfloat16"):
-            node = node.args[0]
-        elif _is_call(node, {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype}):
+        if node.op == "call_method" and node.target in ("to", "float", "half", "bfloat16") or _is_call(node, {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype}):
             node = node.args[0]
         else:
             return None

@@ -9,10 +9,10 @@ import onnx
 import pytest
 import torch
 from conftest import call, tiny_inputs, tiny_unet, tomesd_reference
-
-from tome_compile import ToMeConfig, ToMeExportError, tome_backend
 from tome_compile.export import ToMeSession, check_op_inventory, export_onnx
 from tome_compile.export.cli import main
+
+from tome_compile import ToMeConfig, ToMeExportError, tome_backend
 
 HW = 128  # image size of the tiny latent-space models: 16 x 16 latent, 256 tokens at full resolution
 

@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 from conftest import call, dynamo_graph, tiny_inputs, tiny_unet, tomesd_reference
+from tome_compile.passes import PARTITION_INPUT, find_attention_sites
 
 from tome_compile import ToMeConfig, merge_self_attention
-from tome_compile.passes import PARTITION_INPUT, find_attention_sites
 
 SD15_SELF = [
     "down_blocks.0.attentions.0.transformer_blocks.0.attn1",
@@ -169,9 +169,9 @@ def test_unsupported_site_is_skipped_with_a_reason(sd15):
 def test_a_rewrite_that_does_not_type_check_is_put_back(monkeypatch):
     # Without the literal-token fix, the classic processor's baked reshapes cannot take the merged
     # tokens: the shape check catches it, the sites are reported as skipped, the graph still runs.
-    from diffusers.models.attention_processor import AttnProcessor
-
     import importlib
+
+    from diffusers.models.attention_processor import AttnProcessor
 
     pass_module = importlib.import_module("tome_compile.passes.merge_self_attention")
     unet = tiny_unet("sd15")

@@ -14,10 +14,11 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeConfigError
@@ -32,7 +33,7 @@ from tome_compile.passes import (
 from tome_compile.passes.sites import module_path, node_shape
 from tome_compile.sampler import PartitionSampler
 
-__all__ = ["ToMeBackend", "tome_backend", "tome", "ToMeWarning"]
+__all__ = ["ToMeBackend", "ToMeWarning", "tome", "tome_backend"]
 
 logger = logging.getLogger("tome_compile")
 
@@ -55,7 +56,7 @@ def _inner_compiler(compiler: str | CompilerFn) -> CompilerFn:
     if isinstance(compiler, str):
         try:
             return torch._dynamo.lookup_backend(compiler)
-        except Exception as e:  # noqa: BLE001 - re-raised as a config error with the fix
+        except Exception as e:
             raise ToMeConfigError(
                 f"compiler={compiler!r} is not a torch.compile backend; use 'inductor' (default), "
                 f"'eager', or a backend callable") from e

@@ -29,8 +29,9 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -75,7 +76,7 @@ class PeakMemory:
             self._max = max(self._max, self.rss())
             time.sleep(0.002)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated() - self.base

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from tome_compile.errors import ToMeConfigError
 
-__all__ = ["ToMeConfig", "METHODS"]
+__all__ = ["METHODS", "ToMeConfig"]
 
 METHODS = ("tome", "importance")
 _MAX_DOWNSAMPLE = (1, 2, 4, 8)

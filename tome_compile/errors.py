@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ToMeError", "ToMeConfigError", "ToMeRewriteError", "ToMeExportError", "ToMeModelError"]
+__all__ = ["ToMeConfigError", "ToMeError", "ToMeExportError", "ToMeModelError", "ToMeRewriteError"]
 
 
 class ToMeError(Exception):

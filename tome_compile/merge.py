@@ -26,18 +26,18 @@ import torch
 
 __all__ = [
     "destination_partition",
-    "tome_plan",
-    "importance_plan",
-    "importance_partition",
-    "importance_or_tome_plan",
     "fit_importance",
+    "importance_or_tome_plan",
+    "importance_partition",
+    "importance_plan",
     "importance_pool_size",
     "merge_tokens",
-    "unmerge_tokens",
     "oracle_merge",
     "oracle_unmerge",
     "partition_cells",
     "tie_free_order",
+    "tome_plan",
+    "unmerge_tokens",
 ]
 
 

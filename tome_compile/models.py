@@ -70,7 +70,7 @@ def load_unet(spec: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[
 
     try:
         unet = UNet2DConditionModel.from_pretrained(folder, local_files_only=True, torch_dtype=dtype)
-    except Exception as e:  # noqa: BLE001 - any loader failure becomes one clear message
+    except Exception as e:
         raise ToMeModelError(f"could not load a U-Net from {str(folder)!r}: {e}") from e
     return unet.eval(), f"local U-Net {folder}"
 
