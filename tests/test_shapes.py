@@ -82,6 +82,29 @@ def test_shipped_probe_loads_offline_and_reads_pictures():
     assert accuracy >= 0.95
 
 
+def test_shipped_model_loads_offline_and_draws_the_prompt(monkeypatch):
+    import socket
+
+    from tome_compile.shapes.probe import load_probe
+    from tome_compile.shapes.sample import generate
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the shipped model must load without the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    model, probe = load_model(), load_probe()  # both from the package
+    assert sum(p.numel() for p in model.parameters()) > 2_000_000
+    prompts = [f"{c} {s}" for c, s in zip(COLOURS, [*SHAPES, SHAPES[0]])]  # every colour and shape
+    images = generate(model, prompts, list(range(len(prompts))), steps=10)
+    predicted = probe.predict(images)
+    colours = sum(p.split()[0] == q.split()[0] for p, q in zip(predicted, prompts))
+    both = sum(p == q for p, q in zip(predicted, prompts))
+    assert colours >= 5 and both >= 4, (predicted, prompts)
+    # an untrained model of the same architecture draws nothing the probe recognises this often
+    untrained = probe.predict(generate(build_model(seed=0).eval(), prompts, list(range(len(prompts))), steps=10))
+    assert sum(p == q for p, q in zip(untrained, prompts)) < both
+
+
 def test_psnr_and_ssim():
     from tome_compile.shapes.metrics import psnr, ssim
 

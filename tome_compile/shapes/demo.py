@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from tome_compile.errors import ToMeError, ToMeModelError
+from tome_compile.shapes.sample import DEFAULT_GUIDANCE, DEFAULT_STEPS
 
 __all__ = ["main"]
 
@@ -30,14 +31,6 @@ EPILOG = """examples:
   tome-demo --ratio 0.7 --steps 30 --out demo_0.7.png
   tome-demo --prompts "red ring" "blue cross" --seeds 4 --compiler eager
 """
-
-
-def _weights_folder(model: str | None) -> Path:
-    folder = Path(model) if model else Path(__file__).parent / "weights"
-    if not (folder / "model.safetensors").is_file():
-        raise ToMeModelError(f"{str(folder)!r} has no model.safetensors: give a folder written by "
-                             "python -m tome_compile.shapes.train")
-    return folder
 
 
 @dataclass
@@ -53,10 +46,10 @@ class Target:
 def load_target(model: str | None, size: int | None = None) -> Target:
     """The shipped shapes model, a shapes-model folder, a diffusers pipeline folder
     (``model_index.json``) or a diffusers U-Net folder with the shapes model's interface."""
-    from tome_compile.shapes.model import load_model
+    from tome_compile.shapes.model import SHIPPED_WEIGHTS, load_model
     from tome_compile.shapes.sample import generate
 
-    folder = Path(model) if model else Path(__file__).parent / "weights"
+    folder = Path(model) if model else SHIPPED_WEIGHTS
     if not folder.exists():
         raise ToMeModelError(f"--model {str(folder)!r} does not exist; give a shapes-model folder, a diffusers "
                              "pipeline folder (with model_index.json) or a U-Net folder (config.json)")
@@ -73,12 +66,12 @@ def load_target(model: str | None, size: int | None = None) -> Target:
             raise ToMeModelError(f"U-Net {str(folder)!r} has {wrong}, not the shapes model's {interface}: a U-Net "
                                  "alone cannot make pictures without its text encoder and VAE; give the pipeline "
                                  "folder (the one with model_index.json) instead")
-        shapes = load_model(Path(__file__).parent / "weights")  # the shipped prompt encoder
+        shapes = load_model()  # the shipped prompt encoder
         shapes.unet = UNet2DConditionModel.from_pretrained(folder, local_files_only=True).eval()
         return Target(str(folder), shapes.unet, lambda unet, p, s, n, g: generate(
             shapes, p, s, steps=n, guidance=g, unet=unet), True)
-    shapes = load_model(_weights_folder(model))
-    return Target(str(folder), shapes.unet, lambda unet, p, s, n, g: generate(
+    shapes = load_model(folder)
+    return Target(str(folder) if model else "shipped shapes model", shapes.unet, lambda unet, p, s, n, g: generate(
         shapes, p, s, steps=n, guidance=g, unet=unet), True)
 
 
@@ -116,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=None,
                         help="picture height and width for a diffusers pipeline (default: its own)")
     parser.add_argument("--ratio", type=float, default=0.5)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--guidance", type=float, default=3.0)
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"denoising steps (default: {DEFAULT_STEPS} for the shapes model, 25 for a pipeline)")
+    parser.add_argument("--guidance", type=float, default=None,
+                        help=f"CFG scale (default: {DEFAULT_GUIDANCE} for the shapes model, 7.5 for a pipeline)")
     parser.add_argument("--prompts", nargs="+", default=DEFAULT_PROMPTS)
     parser.add_argument("--seeds", type=int, default=2, help="seeds per prompt")
     parser.add_argument("--compiler", default="inductor", help="inner compiler: inductor or eager")
@@ -146,9 +141,13 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out!r} needs a picture suffix such as .png")
     if not out.parent.is_dir():
         raise ValueError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist; create it first")
-    if args.steps < 1 or args.seeds < 1:
+    if (args.steps is not None and args.steps < 1) or args.seeds < 1:
         raise ValueError(f"--steps {args.steps} and --seeds {args.seeds} must both be >= 1")
     target = load_target(args.model, args.size)
+    if args.steps is None:
+        args.steps = DEFAULT_STEPS if target.shapes_prompts else 25
+    if args.guidance is None:
+        args.guidance = DEFAULT_GUIDANCE if target.shapes_prompts else 7.5
     if target.shapes_prompts:
         for p in args.prompts:
             tokenize(p)  # clear error for an unknown word

@@ -16,7 +16,9 @@ import torch
 
 from tome_compile.shapes.data import VOCAB, tokenize
 
-__all__ = ["UNET_CONFIG", "PromptEncoder", "ShapesModel", "build_model", "load_model", "save_model"]
+__all__ = ["SHIPPED_WEIGHTS", "UNET_CONFIG", "PromptEncoder", "ShapesModel", "build_model", "load_model", "save_model"]
+
+SHIPPED_WEIGHTS = Path(__file__).parent / "weights"  # the model and probe that ship with the package
 
 UNET_CONFIG: dict[str, Any] = {
     "sample_size": 32, "in_channels": 3, "out_channels": 3,
@@ -68,9 +70,17 @@ def save_model(model: ShapesModel, folder: str | Path, meta: dict[str, Any] | No
                                                     **(meta or {})}, indent=1, default=list))
 
 
-def load_model(folder: str | Path) -> ShapesModel:
+def load_model(folder: str | Path | None = None) -> ShapesModel:
+    """The model in ``folder`` (written by ``save_model`` / the training command); the one shipped
+    with the package when ``None``. Never touches the network."""
     from safetensors.torch import load_file
 
+    from tome_compile.errors import ToMeModelError
+
+    folder = SHIPPED_WEIGHTS if folder is None else Path(folder)
+    if not (folder / "model.safetensors").is_file():
+        raise ToMeModelError(f"{str(folder)!r} has no model.safetensors: give a folder written by "
+                             "python -m tome_compile.shapes.train")
     model = build_model()
-    model.load_state_dict(load_file(str(Path(folder) / "model.safetensors")))
+    model.load_state_dict(load_file(str(folder / "model.safetensors")))
     return model.eval()

@@ -59,7 +59,9 @@ def load_probe(folder: str | Path | None = None) -> Probe:
     from safetensors.torch import load_file
 
     if folder is None:
-        folder = Path(__file__).parent / "weights"
+        from tome_compile.shapes.model import SHIPPED_WEIGHTS
+
+        folder = SHIPPED_WEIGHTS
     probe = Probe()
     probe.load_state_dict(load_file(str(Path(folder) / "probe.safetensors")))
     return probe.eval()

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from tome_compile.errors import ToMeError
+from tome_compile.shapes.sample import DEFAULT_GUIDANCE, DEFAULT_STEPS
 
 __all__ = ["main", "run_quality"]
 
@@ -48,7 +49,8 @@ def _compiled(unet: torch.nn.Module, method: str, ratio: float, compiler: str) -
 
 
 def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *, ratios: list[float],
-                methods: tuple[str, ...] = ("tome", "importance"), steps: int = 20, guidance: float = 3.0,
+                methods: tuple[str, ...] = ("tome", "importance"), steps: int = DEFAULT_STEPS,
+                guidance: float = DEFAULT_GUIDANCE,
                 compiler: str = "inductor", progress: bool = True) -> dict[str, Any]:
     """Generate and score the fixed set; returns per-picture numbers and the summaries."""
     from tqdm import tqdm
@@ -133,15 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="a shapes-model folder (default: the shipped one)")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.3, 0.5, 0.7])
     parser.add_argument("--seeds", type=int, default=4, help="seeds per prompt (30 prompts)")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--guidance", type=float, default=3.0)
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="DDIM steps")
+    parser.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE, help="CFG scale")
     parser.add_argument("--compiler", default="inductor", help="inner compiler: inductor or eager")
     parser.add_argument("--out", default="bench/quality.json", help="JSON with every per-picture number")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         from tome_compile import ToMeConfig
-        from tome_compile.shapes.demo import _weights_folder
         from tome_compile.shapes.model import load_model
         from tome_compile.shapes.probe import load_probe
 
@@ -152,15 +153,15 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         if not out.parent.is_dir():
             raise ValueError(f"--out {str(out)!r}: folder {str(out.parent)!r} does not exist; create it first")
-        folder = _weights_folder(args.model)
+        model = load_model(args.model)
         prompts = [f"{c} {s}" for c in COLOURS for s in SHAPES for _ in range(args.seeds)]
         seeds = [k for _ in COLOURS for _ in SHAPES for k in range(args.seeds)]
-        result = run_quality(load_model(folder), load_probe(), prompts, seeds, ratios=args.ratios,
+        result = run_quality(model, load_probe(), prompts, seeds, ratios=args.ratios,
                              steps=args.steps, guidance=args.guidance, compiler=args.compiler)
     except (ToMeError, ValueError) as e:
         print(f"quality: error: {e}", file=sys.stderr)
         return 2
-    result["model"] = str(folder)
+    result["model"] = args.model or "shipped"
     result["command"] = "python -m tome_compile.shapes.quality " + " ".join(argv if argv is not None else sys.argv[1:])
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
     with os.fdopen(fd, "w") as f:

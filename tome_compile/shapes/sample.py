@@ -14,12 +14,18 @@ import torch
 
 from tome_compile.shapes.model import ShapesModel
 
-__all__ = ["generate"]
+__all__ = ["DEFAULT_GUIDANCE", "DEFAULT_STEPS", "generate"]
+
+# Chosen on held-out seeds (500-503, every prompt; not the demo's or the benchmark's seeds): with
+# the shipped weights, probe accuracy 94% at 12 DDIM steps / guidance 2.5, 76% at 20 steps /
+# guidance 3. More steps make this small model add spurious detail at low noise levels.
+DEFAULT_STEPS = 12
+DEFAULT_GUIDANCE = 2.5
 
 
 @torch.no_grad()
-def generate(model: ShapesModel, prompts: list[str], seeds: list[int], *, steps: int = 20,
-             guidance: float = 3.0, unet: Callable[..., Any] | None = None) -> torch.Tensor:
+def generate(model: ShapesModel, prompts: list[str], seeds: list[int], *, steps: int = DEFAULT_STEPS,
+             guidance: float = DEFAULT_GUIDANCE, unet: Callable[..., Any] | None = None) -> torch.Tensor:
     """``[N, 3, 32, 32]`` images in ``[0, 1]``; the batch is ``[uncond x N; cond x N]`` per step."""
     from diffusers import DDIMScheduler
 
