@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     result["model"] = args.model or "shipped"
     result["command"] = "python -m tome_compile.shapes.quality " + " ".join(argv if argv is not None else sys.argv[1:])
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
+    os.chmod(tmp, 0o644)  # mkstemp makes it owner-only
     with os.fdopen(fd, "w") as f:
         json.dump(result, f, indent=1)
     os.replace(tmp, out)
