@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 
 from tome_compile.errors import ToMeError, ToMeModelError
-from tome_compile.shapes.sample import DEFAULT_GUIDANCE, DEFAULT_STEPS
+from tome_compile.shapes.sample import DEFAULT_GUIDANCE, DEFAULT_STEPS, compile_unet, write_atomically
 
 __all__ = ["main"]
 
@@ -68,9 +67,8 @@ def load_target(model: str | None, size: int | None = None) -> Target:
                                  "folder (the one with model_index.json) instead")
         shapes = load_model()  # the shipped prompt encoder
         shapes.unet = UNet2DConditionModel.from_pretrained(folder, local_files_only=True).eval()
-        return Target(str(folder), shapes.unet, lambda unet, p, s, n, g: generate(
-            shapes, p, s, steps=n, guidance=g, unet=unet), True)
-    shapes = load_model(folder)
+    else:
+        shapes = load_model(folder)
     return Target(str(folder) if model else "shipped shapes model", shapes.unet, lambda unet, p, s, n, g: generate(
         shapes, p, s, steps=n, guidance=g, unet=unet), True)
 
@@ -130,9 +128,9 @@ def _run(args: argparse.Namespace) -> int:
     from PIL import Image
     from tqdm import tqdm
 
-    from tome_compile import ToMeConfig, tome_backend
+    from tome_compile import ToMeConfig
     from tome_compile.shapes.data import tokenize
-    from tome_compile.shapes.metrics import psnr, ssim
+    from tome_compile.shapes.metrics import PSNR_CAP_DB, psnr, ssim
     from tome_compile.shapes.probe import load_probe
 
     ToMeConfig(ratio=args.ratio, method="importance")  # validates the ratio for both methods
@@ -153,13 +151,9 @@ def _run(args: argparse.Namespace) -> int:
             tokenize(p)  # clear error for an unknown word
     prompts = [p for p in args.prompts for _ in range(args.seeds)]
     seeds = [s for _ in args.prompts for s in range(args.seeds)]
-    unet = target.unet
     methods: dict[str, Any] = {
-        "plain": torch.compile(unet, backend=args.compiler, dynamic=False) if args.compiler != "eager" else unet,
-        f"tome {args.ratio}": torch.compile(unet, dynamic=False, backend=tome_backend(
-            args.ratio, seed=0, compiler=args.compiler)),
-        f"importance {args.ratio}": torch.compile(unet, dynamic=False, backend=tome_backend(
-            args.ratio, seed=0, method="importance", compiler=args.compiler)),
+        "plain": compile_unet(target.unet, "plain", 0.0, args.compiler),
+        **{f"{m} {args.ratio}": compile_unet(target.unet, m, args.ratio, args.compiler) for m in ("tome", "importance")},
     }
     images: dict[str, torch.Tensor] = {}
     seconds: dict[str, float] = {}
@@ -179,7 +173,7 @@ def _run(args: argparse.Namespace) -> int:
     for name, imgs in images.items():
         rows.append({
             "method": name, "seconds_per_image": seconds[name], "speedup": seconds["plain"] / seconds[name],
-            "psnr_db": None if name == "plain" else float(psnr(imgs, plain).clamp(max=100.0).mean()),
+            "psnr_db": None if name == "plain" else float(psnr(imgs, plain).clamp(max=PSNR_CAP_DB).mean()),
             "ssim": None if name == "plain" else float(ssim(imgs, plain).mean()),
             "probe_accuracy": None if probe is None else
             sum(p == q for p, q in zip(probe.predict(imgs), prompts)) / len(prompts),
@@ -189,10 +183,10 @@ def _run(args: argparse.Namespace) -> int:
     picture = Image.fromarray(grid)
     if plain.shape[-1] <= 64:  # 32x32 pictures are easier to see 4x larger
         picture = picture.resize((grid.shape[1] * 4, grid.shape[0] * 4), Image.NEAREST)
-    _write_atomically(out, lambda path: picture.save(path, format=Image.registered_extensions()[out.suffix.lower()]))
+    write_atomically(out, lambda path: picture.save(path, format=Image.registered_extensions()[out.suffix.lower()]))
     meta = {"model": target.name, "prompts": prompts, "seeds": seeds, "steps": args.steps,
             "guidance": args.guidance, "compiler": args.compiler, "rows": list(images), "results": rows}
-    _write_atomically(out.with_suffix(".json"), lambda path: path.write_text(json.dumps(meta, indent=1)))
+    write_atomically(out.with_suffix(".json"), lambda path: path.write_text(json.dumps(meta, indent=1)))
     print(f"{len(prompts)} pictures per method, {args.steps} steps, guidance {args.guidance}; "
           "PSNR/SSIM = fidelity to the plain model with the same seed")
     print("| method | s / image | speed-up | PSNR vs plain | SSIM vs plain | probe accuracy |")
@@ -204,16 +198,6 @@ def _run(args: argparse.Namespace) -> int:
               f"{accuracy} |")
     print(f"wrote {out} (rows: {', '.join(images)}) and {out.with_suffix('.json')}")
     return 0
-
-
-def _write_atomically(path: Path, write: Callable[[Path], Any]) -> None:
-    """Write through a temporary file in the same folder, then rename: never a half-written file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["bootstrap_mean", "psnr", "ssim"]
+__all__ = ["PSNR_CAP_DB", "bootstrap_mean", "psnr", "ssim"]
+
+PSNR_CAP_DB = 100.0  # identical pictures have infinite PSNR; callers that average cap it here
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

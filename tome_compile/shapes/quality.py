@@ -21,31 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tome_compile.errors import ToMeError
-from tome_compile.shapes.sample import DEFAULT_GUIDANCE, DEFAULT_STEPS
+from tome_compile.shapes.sample import DEFAULT_GUIDANCE, DEFAULT_STEPS, write_atomically
 
 __all__ = ["main", "run_quality"]
 
 logger = logging.getLogger(__name__)
 
 NOISE_FLOOR_SEED = 1_000_000  # the second plain seed set starts here
-PSNR_CAP_DB = 100.0  # identical pictures have infinite PSNR; cap so that means stay finite
-
-
-def _compiled(unet: torch.nn.Module, method: str, ratio: float, compiler: str) -> Any:
-    from tome_compile import tome_backend
-
-    if method == "plain":
-        return unet if compiler == "eager" else torch.compile(unet, backend=compiler, dynamic=False)
-    return torch.compile(unet, dynamic=False, backend=tome_backend(ratio, seed=0, method=method, compiler=compiler))
 
 
 def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *, ratios: list[float],
@@ -55,15 +44,15 @@ def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *,
     """Generate and score the fixed set; returns per-picture numbers and the summaries."""
     from tqdm import tqdm
 
-    from tome_compile.shapes.metrics import bootstrap_mean, psnr, ssim
-    from tome_compile.shapes.sample import generate
+    from tome_compile.shapes.metrics import PSNR_CAP_DB, bootstrap_mean, psnr, ssim
+    from tome_compile.shapes.sample import compile_unet, generate
 
     runs: list[tuple[str, str, float]] = [("plain", "plain", 0.0), ("plain, other seeds", "plain", 0.0)]
     runs += [(f"{m} {r}", m, r) for r in ratios for m in methods]
     images: dict[str, torch.Tensor] = {}
     other_seeds = [NOISE_FLOOR_SEED + s for s in seeds]
     for name, method, ratio in tqdm(runs, desc="quality", unit="method", disable=not progress, file=sys.stderr):
-        unet = _compiled(model.unet, method, ratio, compiler)
+        unet = compile_unet(model.unet, method, ratio, compiler)
         images[name] = generate(model, prompts, other_seeds if name == "plain, other seeds" else seeds,
                                 steps=steps, guidance=guidance, unet=unet)
         logger.info("generated %d pictures: %s", len(prompts), name)
@@ -163,11 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result["model"] = args.model or "shipped"
     result["command"] = "python -m tome_compile.shapes.quality " + " ".join(argv if argv is not None else sys.argv[1:])
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
-    os.chmod(tmp, 0o644)  # mkstemp makes it owner-only
-    with os.fdopen(fd, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, out)
+    write_atomically(out, lambda path: path.write_text(json.dumps(result, indent=1)))
     print(format_tables(result))
     print(f"\nwrote {out}")
     return 0

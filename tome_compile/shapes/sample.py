@@ -7,14 +7,16 @@ from its own seed, so the same (prompt, seed) pair is comparable across methods.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from tome_compile.shapes.model import ShapesModel
 
-__all__ = ["DEFAULT_GUIDANCE", "DEFAULT_STEPS", "generate"]
+__all__ = ["DEFAULT_GUIDANCE", "DEFAULT_STEPS", "compile_unet", "generate", "write_atomically"]
 
 # Chosen on held-out seeds (500-503, every prompt; not the demo's or the benchmark's seeds): with
 # the shipped weights, probe accuracy 94% at 12 DDIM steps / guidance 2.5, 76% at 20 steps /
@@ -46,3 +48,24 @@ def generate(model: ShapesModel, prompts: list[str], seeds: list[int], *, steps:
         eps = eps_uncond + guidance * (eps_cond - eps_uncond)
         x = scheduler.step(eps, t, x).prev_sample
     return ((x.clamp(-1, 1) + 1) / 2).float()
+
+
+def compile_unet(unet: torch.nn.Module, method: str, ratio: float, compiler: str) -> Any:
+    """The U-Net as ``tome-demo`` and the quality benchmark run it: ``method="plain"`` through
+    ``compiler`` alone (``"eager"``: the module itself), ``"tome"`` / ``"importance"`` through
+    ``tome_backend(ratio, seed=0, method=method, compiler=compiler)``."""
+    from tome_compile import tome_backend
+
+    if method == "plain":
+        return unet if compiler == "eager" else torch.compile(unet, backend=compiler, dynamic=False)
+    return torch.compile(unet, dynamic=False, backend=tome_backend(ratio, seed=0, method=method, compiler=compiler))
+
+
+def write_atomically(path: Path, write: Callable[[Path], Any]) -> None:
+    """Write through a temporary file in the same folder, then rename: never a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

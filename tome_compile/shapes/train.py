@@ -56,28 +56,26 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
     state_path = out / "train_state.pt"
-    ema = build_model(args.seed)
-    ema.load_state_dict(model.state_dict())
+    state: dict = {}
     if args.resume and log_path.is_file():
         model.load_state_dict(load_model(out).state_dict())
-        ema.load_state_dict(model.state_dict())
         if state_path.is_file():
             state = torch.load(state_path, weights_only=True)
             optimizer.load_state_dict(state["optimizer"])
-            if "ema" in state:
-                ema.load_state_dict(state["ema"])
         log = json.loads(log_path.read_text())
         log.setdefault("runs", []).append(dict(vars(args)))
     else:
         log["runs"] = [dict(vars(args))]
-    for p in ema.parameters():
-        p.requires_grad_(False)
+    ema = None
+    if args.ema:  # starts from the saved average when resuming one, else from the current weights
+        ema = build_model(args.seed).requires_grad_(False)
+        ema.load_state_dict(state.get("ema", model.state_dict()))
     model.train()
     scheduler = DDPMScheduler(num_train_timesteps=1000, beta_schedule="squaredcos_cap_v2")
     null = torch.tensor([VOCAB.index("<null>")] * 2)
     g = torch.Generator().manual_seed(args.seed + log["steps"])
     start, step, window = time.perf_counter(), log["steps"], []
-    log_start, had_state = step, args.resume and state_path.is_file()
+    log_start, had_state = step, bool(state)
     previous_seconds = float(log["seconds"])
     budget = args.minutes * 60
     while step < args.max_steps and time.perf_counter() - start < budget:
@@ -101,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        if args.ema:
+        if ema is not None:
             with torch.no_grad():
                 torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - args.ema)
         step += 1
@@ -112,10 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             window = []
             print(f"step {step} loss {log['loss'][-1][1]:.4f} {elapsed / 60:.1f} min", flush=True)
         if step % 200 == 0 or not math.isfinite(loss.item()):
-            _save(model, ema if args.ema else None, optimizer, out, log, step,
-                  previous_seconds + time.perf_counter() - start, args)
-    _save(model, ema if args.ema else None, optimizer, out, log, step,
-                  previous_seconds + time.perf_counter() - start, args)
+            _save(model, ema, optimizer, out, log, step, previous_seconds + time.perf_counter() - start, args)
+    _save(model, ema, optimizer, out, log, step, previous_seconds + time.perf_counter() - start, args)
     print(f"trained {step} steps in {log['seconds'] / 60:.1f} min; wrote {out}", file=sys.stderr)
     return 0
 
