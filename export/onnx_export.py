@@ -27,18 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 from tome_compile.export.inventory import InventoryReport, check_op_inventory
-from tome_compile.passes import (
-    DST_KEY_INPUT,
-    HAS_MAP_INPUT,
-    IMPORTANCE_INPUT,
-    PARTITION_INPUT,
-    ToMeResult,
-    merge_self_attention,
-)
+from tome_compile.passes import ToMeResult, merge_self_attention
 from torch import fx
 
 from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeExportError
+from tome_compile.inputs import draw_tome_inputs
 from tome_compile.models import example_inputs, unet_input_names
 from tome_compile.sampler import PartitionSampler
 
@@ -47,6 +41,7 @@ __all__ = ["METADATA_KEY", "ExportResult", "check_output_path", "export_onnx"]
 logger = logging.getLogger("tome_compile.export")
 
 METADATA_KEY = "tome_compile"
+METADATA_VERSION = 2  # 2: the ToMe inputs are described by ToMeInputSpec.to_json() under "tome_inputs"
 OUTPUT_NAME = "out_sample"
 
 
@@ -163,25 +158,23 @@ def export_onnx(
     times["trace"] = time.perf_counter() - start
 
     step("rewriting attention sites (ToMe pass)")
-    result = merge_self_attention(
-        gm, config, oracle=oracle, method="importance+fallback" if config.method == "importance" else "tome")
+    # One graph for both kinds of importance step: a tome_has_map input picks the plan (ONNX If).
+    result = merge_self_attention(gm, config, oracle=oracle, in_graph_fallback=True)
     _assert_no_scatter_mean(gm)
-    extra = _example_tome_inputs(result, config, seed)
-    input_names = names + list(result.inputs)
+    extra = _example_tome_inputs(result, seed)
+    input_names = names + result.input_names
 
     meta = {
-        "version": 1,
+        "version": METADATA_VERSION,
         "config": asdict(config),
         "inputs": input_names,
+        "tome_inputs": [spec.to_json() for spec in result.inputs],
         "output": OUTPUT_NAME,
         "batch": batch,
         "height": height,
         "width": width,
         "latent_hw": list(result.latent_hw or ()),
-        "partition_cells": [list(c) for c in result.partition_cells],
         "method": result.method,
-        "dst_key_sizes": list(result.dst_key_sizes),
-        "choices": config.sx * config.sy,
         "sites": [s.line() for s in result.sites],
         "unet_config": {k: v for k, v in dict(unet.config).items() if not k.startswith("_")},
         "dtype": "float16" if fp16 else "float32",
@@ -220,6 +213,9 @@ def export_onnx(
             step("checking parity: ONNX Runtime vs PyTorch (same inputs and partition)")
             start = time.perf_counter()
             _parity(export, tmp_model, gm, args, extra, fp16, atol)
+            if any(spec.draw == "has_map" for spec in result.inputs):  # the fallback branch too
+                _parity(export, tmp_model, gm, args, _example_tome_inputs(result, seed, with_map=False),
+                        fp16, atol)
             times["parity"] = time.perf_counter() - start
 
         files = sorted(tmp.iterdir())
@@ -234,20 +230,15 @@ def export_onnx(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _example_tome_inputs(result: ToMeResult, config: ToMeConfig, seed: int) -> list[torch.Tensor]:
-    """Values for the ToMe inputs (in ``result.inputs`` order) used to trace and to check parity:
-    a drawn partition, and for importance a random map with ``has_map`` on (the importance branch)."""
+def _example_tome_inputs(result: ToMeResult, seed: int, with_map: bool = True) -> list[torch.Tensor]:
+    """Values for the ToMe inputs used to trace and to check parity: a drawn partition, and for
+    importance a random map (the importance branch; ``with_map=False``: the fallback branch)."""
     sampler = PartitionSampler(seed)
-    g = sampler.generator(torch.device("cpu"))
-    pairs = result.pairs
-    values = {
-        PARTITION_INPUT: lambda: sampler.draw(result.partition_cells, config.sx * config.sy,
-                                              torch.device("cpu")),
-        IMPORTANCE_INPUT: lambda: torch.rand(pairs, *(result.latent_hw or (1, 1)), generator=g),
-        HAS_MAP_INPUT: lambda: torch.tensor(True),
-        DST_KEY_INPUT: lambda: sampler.draw_keys(pairs, sum(result.dst_key_sizes), torch.device("cpu")),
-    }
-    return [values[name]() for name in result.inputs]
+    importance = None
+    spec = next((s for s in result.inputs if s.draw == "importance"), None)
+    if spec is not None and with_map:
+        importance = torch.rand(spec.shape, generator=torch.Generator().manual_seed(seed))
+    return draw_tome_inputs(result.inputs, sampler, importance, "cpu")
 
 
 def _parity(export: ExportResult, path: Path, gm: fx.GraphModule, args: tuple[torch.Tensor, ...],

@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from tome_compile.export.onnx_export import METADATA_KEY
+from tome_compile.export.onnx_export import METADATA_KEY, METADATA_VERSION
 
 from tome_compile.errors import ToMeExportError
 from tome_compile.importance import ImportanceState
+from tome_compile.inputs import ToMeInputSpec, draw_tome_inputs
 from tome_compile.sampler import PartitionSampler
 
 __all__ = ["ToMeSession"]
@@ -60,6 +61,11 @@ class ToMeSession:
         model = onnx.load(str(path), load_external_data=False)
         meta = {p.key: p.value for p in model.metadata_props}.get(METADATA_KEY)
         self.meta: dict[str, Any] = json.loads(meta) if meta else {}
+        if self.meta and self.meta.get("version") != METADATA_VERSION:
+            raise ToMeExportError(f"{str(path)!r} was written by another tome-compile version (metadata "
+                                  f"version {self.meta.get('version')}, this one reads {METADATA_VERSION}); "
+                                  "export it again with this tome-export")
+        self.specs = [ToMeInputSpec.from_json(d) for d in self.meta.get("tome_inputs", [])]
         if providers is None:
             available = ort.get_available_providers()
             providers = (["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -95,28 +101,12 @@ class ToMeSession:
         return array
 
     def _tome_feed(self, sample_shape: tuple[int, ...], timestep: Any) -> dict[str, np.ndarray]:
-        """The ToMe inputs, drawn in the same order as ``tome_backend`` draws them."""
-        feed: dict[str, np.ndarray] = {}
-        cpu = torch.device("cpu")
+        """The ToMe inputs, drawn as ``tome_backend`` draws them (same specs, same order)."""
         current = None
-        if "tome_importance" in self.inputs:
+        if any(spec.draw == "importance" for spec in self.specs):
             current = self.importance.current(tuple(sample_shape), timestep)
-            shape = [d if isinstance(d, int) else 1 for d in self.inputs["tome_importance"].shape]
-            feed["tome_importance"] = (current if current is not None else torch.zeros(shape)).float().numpy()
-            feed["tome_has_map"] = np.array(current is not None)
-            if "tome_dst_key" in self.inputs:
-                pairs, total = (d if isinstance(d, int) else 1 for d in self.inputs["tome_dst_key"].shape)
-                keys = (self.sampler.draw_keys(pairs, total, cpu) if current is not None
-                        else torch.zeros(pairs, total))
-                feed["tome_dst_key"] = keys.numpy()
-        if "tome_partition" in self.inputs:
-            cells = [(int(a), int(b)) for a, b in self.meta["partition_cells"]]
-            if current is None:
-                draw = self.sampler.draw(cells, int(self.meta["choices"]), cpu)
-            else:  # importance step: the partition is not used and nothing is drawn for it
-                draw = torch.zeros(sum(a * b for a, b in cells), dtype=torch.int64)
-            feed["tome_partition"] = draw.numpy()
-        return feed
+        values = draw_tome_inputs(self.specs, self.sampler, current, "cpu")
+        return {spec.name: value.numpy() for spec, value in zip(self.specs, values)}
 
     def __call__(self, sample: torch.Tensor, timestep: Any, encoder_hidden_states: torch.Tensor | None = None,
                  added_cond_kwargs: dict[str, torch.Tensor] | None = None, return_dict: bool = True,
@@ -132,6 +122,6 @@ class ToMeSession:
         feed.update(self._tome_feed(feed["sample"].shape, timestep))
         out = self.session.run(None, feed)[0]
         result = torch.from_numpy(out).to(sample.device if isinstance(sample, torch.Tensor) else "cpu")
-        if "tome_importance" in self.inputs:
+        if any(spec.draw == "importance" for spec in self.specs):
             self.importance.update(result)
         return _Output(sample=result) if return_dict else (result,)

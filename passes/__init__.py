@@ -11,7 +11,7 @@ from tome_compile.passes.merge_self_attention import (
     ToMeSite,
     merge_self_attention,
 )
-from tome_compile.passes.sites import AttentionSite, find_attention_sites
+from tome_compile.passes.sites import AttentionSite, UNetIO, find_attention_sites, find_unet_io
 
 __all__ = [
     "DST_KEY_INPUT",
@@ -21,6 +21,8 @@ __all__ = [
     "AttentionSite",
     "ToMeResult",
     "ToMeSite",
+    "UNetIO",
     "find_attention_sites",
+    "find_unet_io",
     "merge_self_attention",
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import operator
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +26,8 @@ import torch
 from torch import fx
 
 __all__ = [
-    "AttentionSite", "block_grid", "find_attention_sites", "latent_size", "module_path", "node_shape",
-    "norm_input", "region_exits", "region_nodes",
+    "AttentionSite", "UNetIO", "block_grid", "find_attention_sites", "find_unet_io", "latent_size",
+    "module_path", "node_shape", "norm_input", "region_exits", "region_nodes",
 ]
 
 # Recognised op variants, one table: Dynamo (torch level) -> torch.export (aten level).
@@ -48,16 +49,22 @@ _CONV_OPS: set[Any] = {torch.conv2d, torch.nn.functional.conv2d, torch.ops.aten.
                        torch.ops.aten.convolution.default}
 _LAYER_NORM_OPS: set[Any] = {torch.nn.functional.layer_norm, torch.layer_norm,
                              torch.ops.aten.layer_norm.default}
-# Shape-only ops that q/k/v pass through between the projection and the attention op.
+# Shape-only ops that q/k/v pass through between the projection and the attention op; split/chunk
+# + getitem are fused projections (``unet.fuse_qkv_projections()``: to_qkv -> split -> q, k, v).
 _PASSTHROUGH_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "to", "float",
-                        "half", "bfloat16", "flatten", "unflatten", "__getitem__"}
+                        "half", "bfloat16", "flatten", "unflatten", "__getitem__", "split", "chunk"}
 _PASSTHROUGH_FUNCS: set[Any] = {
     torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.Tensor.contiguous,
     torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.transpose.int,
     torch.ops.aten.permute.default, torch.ops.aten.contiguous.default, torch.ops.aten.clone.default,
     torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.expand.default,
     torch.ops.aten.unsqueeze.default, torch.ops.aten.t.default, operator.getitem,
+    torch.split, torch.functional.split, torch.chunk,  # fused QKV: Dynamo
+    torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default, torch.ops.aten.chunk.default,
 }
+# The sinusoidal timestep embedding (diffusers' ``Timesteps``): the U-Net's timestep feeds it.
+_TIME_EMBED_OPS: set[Any] = {torch.sin, torch.cos, torch.ops.aten.sin.default, torch.ops.aten.cos.default}
+_TENSOR_CONSTANT_OPS: set[Any] = {torch.tensor, torch.as_tensor}  # torch.tensor([999]): an int timestep
 
 
 def node_shape(node: Any) -> tuple[Any, ...] | None:
@@ -238,3 +245,82 @@ def norm_input(node: fx.Node) -> fx.Node | None:
     if _is_call(node, _LAYER_NORM_OPS) and isinstance(node.args[0], fx.Node):
         return node.args[0]
     return None
+
+
+@dataclass(frozen=True)
+class UNetIO:
+    """Where a U-Net graph takes its sample and timestep and returns its noise prediction.
+
+    ``timestep_index`` is the position of the timestep among the graph's inputs; when Dynamo baked
+    a Python-number timestep into the graph (the first call with an int), it is None and
+    ``timestep_constant`` holds the value (the graph is only called with that value: Dynamo guards
+    on it). Both None: no timestep found (not a diffusion U-Net).
+    """
+
+    sample_index: int
+    timestep_index: int | None
+    timestep_constant: float | None
+    output_index: int
+
+    def timestep(self, args: Sequence[Any]) -> Any:
+        """The timestep of one call, from its arguments."""
+        return args[self.timestep_index] if self.timestep_index is not None else self.timestep_constant
+
+
+def _sample_placeholder(gm: fx.GraphModule) -> fx.Node | None:
+    """The input of the first convolution (conv_in), traced back through shape-preserving ops."""
+    conv = next((n for n in gm.graph.nodes if _is_call(n, _CONV_OPS)), None)
+    node = conv.args[0] if conv is not None else None
+    while isinstance(node, fx.Node) and node.op != "placeholder":
+        node = next((a for a in node.all_input_nodes if node_shape(a) == node_shape(node)), None)
+    return node
+
+
+def _ancestors(start: fx.Node, limit: int = 64) -> list[fx.Node]:
+    seen: list[fx.Node] = []
+    frontier = [start]
+    while frontier and len(seen) < limit:
+        node = frontier.pop()
+        for a in node.all_input_nodes:
+            if a not in seen:
+                seen.append(a)
+                frontier.append(a)
+    return seen
+
+
+def _timestep_source(gm: fx.GraphModule, sample: fx.Node | None) -> tuple[fx.Node | None, float | None]:
+    """The timestep's placeholder, or the constant Dynamo baked in, from the time embedding up."""
+    embed = next((n for n in gm.graph.nodes if _is_call(n, _TIME_EMBED_OPS)), None)
+    if embed is None:
+        return None, None
+    ancestors = _ancestors(embed)
+    for node in ancestors:
+        value = node.meta.get("example_value", node.meta.get("val"))
+        scalar = isinstance(value, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(value, bool)
+        small = isinstance(value, torch.Tensor) and value.dim() <= 1
+        if node.op == "placeholder" and node is not sample and (scalar or small):
+            return node, None
+    for node in ancestors:
+        if _is_call(node, _TENSOR_CONSTANT_OPS) and node.args:
+            flat = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+            if flat and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in flat):
+                return None, float(flat[0])
+    return None, None
+
+
+def find_unet_io(gm: fx.GraphModule) -> UNetIO:
+    """Positions of the sample and timestep inputs and of the noise output, found by structure:
+    the sample feeds the first convolution, the timestep the sinusoidal time embedding, and the
+    output is the first graph output with the sample's batch and spatial size."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    sample = _sample_placeholder(gm)
+    sample_index = placeholders.index(sample) if sample in placeholders else 0
+    timestep, constant = _timestep_source(gm, sample)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    want = node_shape(placeholders[sample_index]) if placeholders else None
+    output_index = next((i for i, o in enumerate(flat) if want is not None and len(want) == 4
+                         and (node_shape(o) or ())[:1] == want[:1] and (node_shape(o) or ())[2:] == want[2:]), 0)
+    return UNetIO(sample_index=sample_index,
+                  timestep_index=placeholders.index(timestep) if timestep is not None else None,
+                  timestep_constant=constant, output_index=output_index)

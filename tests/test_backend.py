@@ -30,7 +30,7 @@ def compiled(unet, **options):
 
 @pytest.mark.parametrize("kind, options, sites", [
     ("sd15", dict(), 3),
-    ("sd15", dict(merge_crossattn=True), 3),
+    ("sd15", dict(merge_crossattn=True), 6),  # the 3 blocks' attn2 run on the merged tokens too
     ("sd15", dict(merge_mlp=True), 3),
     ("sd2", dict(), 3),
     ("sdxl", dict(max_downsample=2), 6),  # down_blocks.1 (2 layers) + up_blocks.1 (2 attentions x 2 layers)

@@ -89,8 +89,9 @@ def test_random_partition_is_a_graph_input(sd15):
     unet, inputs = sd15
     gm = dynamo_graph(unet, inputs)
     result = merge_self_attention(gm, ToMeConfig(ratio=0.5))
-    assert result.inputs == [PARTITION_INPUT]
-    assert result.partition_cells == [(8, 8)] * 3 and result.partition_size == 192
+    assert result.input_names == [PARTITION_INPUT]
+    (spec,) = result.inputs
+    assert spec.cells == ((8, 8),) * 3 and spec.shape == (192,) and spec.dtype == torch.int64
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     assert placeholders[-1] == PARTITION_INPUT
     # No random op inside the graph.
@@ -173,13 +174,13 @@ def test_a_rewrite_that_does_not_type_check_is_put_back(monkeypatch):
 
     from diffusers.models.attention_processor import AttnProcessor
 
-    pass_module = importlib.import_module("tome_compile.passes.merge_self_attention")
+    rewrite_module = importlib.import_module("tome_compile.passes.rewrite")
     unet = tiny_unet("sd15")
     unet.set_attn_processor(AttnProcessor())
     inputs = tiny_inputs(unet)
     gm = dynamo_graph(unet, inputs)
-    monkeypatch.setattr(pass_module, "_replace_literal_tokens", lambda *a, **k: 0)
-    result = pass_module.merge_self_attention(gm, ToMeConfig(ratio=0.5, use_rand=False))
+    monkeypatch.setattr(rewrite_module, "_replace_literal_tokens", lambda *a, **k: 0)
+    result = merge_self_attention(gm, ToMeConfig(ratio=0.5, use_rand=False))
     assert not result.modified and result.rewritten == []
     failed = [s for s in result.sites if "failed the shape check" in s.reason]
     assert [s.path for s in failed] == SD15_SELF

@@ -12,6 +12,7 @@ partition, drawn from a dedicated generator) to every call.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import warnings
 from collections.abc import Callable, Sequence
@@ -19,18 +20,13 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.utils.weak import WeakIdKeyDictionary
 
 from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeConfigError
 from tome_compile.importance import ImportanceState
-from tome_compile.passes import (
-    DST_KEY_INPUT,
-    IMPORTANCE_INPUT,
-    PARTITION_INPUT,
-    ToMeResult,
-    merge_self_attention,
-)
-from tome_compile.passes.sites import module_path, node_shape
+from tome_compile.inputs import ToMeInputSpec, draw_tome_inputs
+from tome_compile.passes import ToMeResult, UNetIO, find_unet_io, merge_self_attention
 from tome_compile.sampler import PartitionSampler
 
 __all__ = ["ToMeBackend", "ToMeWarning", "tome", "tome_backend"]
@@ -44,31 +40,54 @@ class ToMeWarning(UserWarning):
     """ToMe could not do what was asked (e.g. nothing to rewrite at this max_downsample)."""
 
 
-def _inner_compiler(compiler: str | CompilerFn) -> CompilerFn:
-    if callable(compiler):
-        return compiler
-    if compiler == "eager":
-        return lambda gm, example_inputs: gm.forward
-    if compiler == "inductor":
-        from torch._inductor.compile_fx import compile_fx
+def _inductor(mode: str | None, options: dict[str, Any] | None) -> CompilerFn:
+    """Inductor with ``torch.compile``'s ``mode=`` / ``options=`` (they reach a custom backend as
+    keyword arguments), as the built-in inductor backend applies them."""
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx
+    patches: dict[str, Any] = {}
+    if mode is not None:
+        modes = sorted(list_mode_options())
+        if mode not in modes:
+            raise ToMeConfigError(f"mode={mode!r} is not an inductor mode; use one of {modes}")
+        patches.update(list_mode_options(mode))
+    patches.update(options or {})
+    return functools.partial(compile_fx, config_patches=patches) if patches else compile_fx
+
+
+def _inner_compiler(compiler: str | CompilerFn, mode: str | None = None,
+                    options: dict[str, Any] | None = None) -> CompilerFn:
+    if compiler == "inductor":
+        return _inductor(mode, options)
+    if compiler == "eager":
+        if mode or options:
+            logger.info("ToMe: compiler='eager' runs the graph as is; mode=%r / options=%r ignored",
+                        mode, options)
+        return lambda gm, example_inputs: gm.forward
+    kwargs = {k: v for k, v in (("mode", mode), ("options", options)) if v}
+    if callable(compiler):
+        return functools.partial(compiler, **kwargs) if kwargs else compiler
     if isinstance(compiler, str):
         try:
-            return torch._dynamo.lookup_backend(compiler)
+            backend = torch._dynamo.lookup_backend(compiler)
         except Exception as e:
             raise ToMeConfigError(
                 f"compiler={compiler!r} is not a torch.compile backend; use 'inductor' (default), "
                 f"'eager', or a backend callable") from e
+        return functools.partial(backend, **kwargs) if kwargs else backend
     raise ToMeConfigError(f"compiler={compiler!r} must be a backend name or callable")
 
 
-def _is_static(value: Any) -> bool:
-    if isinstance(value, torch.SymInt):
-        return False
-    if isinstance(value, torch.Tensor):
-        return all(isinstance(d, int) for d in value.shape)
-    return True
+def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
+    """Token counts come from tensor shapes; symbolic scalars alone (a Python-int timestep that
+    Dynamo made dynamic) do not change them, so they need no specialisation. (Dynamo hands the
+    backend real example tensors: the symbolic shapes are in the placeholders' metadata.)"""
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value", node.meta.get("val")) if node.op == "placeholder" else None
+        if isinstance(value, torch.Tensor) and not all(isinstance(d, int) for d in value.shape):
+            return True
+    return False
 
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:
@@ -85,15 +104,14 @@ def warn_if_nothing_rewritten(result: ToMeResult, config: ToMeConfig) -> None:
     """Say loudly when ToMe was asked for but no site qualified (e.g. SDXL at max_downsample=1)."""
     if result.modified or not config.enabled:
         return
-    downsamples = [s.downsample for s in result.sites
-                   if s.kind == "self-attention" and s.downsample is not None]
+    candidates = [s for s in result.sites if s.kind != "cross-attention"]
+    downsamples = [s.downsample for s in candidates if s.downsample is not None]
     if downsamples and min(downsamples) > config.max_downsample:
         message = (f"ToMe rewrote nothing: this model's highest-resolution self-attention is "
                    f"downsampled {min(downsamples)}x, above max_downsample={config.max_downsample}; "
                    f"use max_downsample={min(downsamples)} (SDXL has no attention at full resolution)")
-    elif any(s.kind == "self-attention" for s in result.sites):
-        message = "ToMe rewrote nothing: " + "; ".join(
-            sorted({s.reason for s in result.sites if s.kind == "self-attention"}))
+    elif candidates:
+        message = "ToMe rewrote nothing: " + "; ".join(sorted({f"{s.path}: {s.reason}" for s in candidates}))
     else:
         return  # a graph without self-attention (e.g. a text encoder) is not a surprise
     logger.warning("%s", message)
@@ -112,164 +130,170 @@ class ToMeBackend:
                  generator: torch.Generator | None = None, oracle: bool = False) -> None:
         self.config = config
         self.compiler = compiler
-        self._compile = _inner_compiler(compiler)
+        _inner_compiler(compiler)  # reject a bad compiler now, not at the first call
         self.sampler = PartitionSampler(config.seed, generator)
         self.reports: list[ToMeResult] = []
         self.oracle = oracle
-        self.importance = ImportanceState()
+        # Importance state per compiled model (keyed by one of its parameters): one backend on
+        # two U-Nets must not hand one model's guidance map to the other.
+        self._states: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare by identity here
+        self._unkeyed = ImportanceState()
+        self._last: ImportanceState | None = None
+        self._said: set[str] = set()
 
     def __repr__(self) -> str:
         return f"ToMeBackend({self.config!r}, compiler={self.compiler!r})"
 
+    @property
+    def importance(self) -> ImportanceState:
+        """The importance state of the model called last (each compiled model has its own)."""
+        return self._last if self._last is not None else self._unkeyed
+
+    def importance_state(self, model: torch.nn.Module) -> ImportanceState | None:
+        """The importance state of ``model`` (the module given to ``torch.compile``), if it ran."""
+        param = next(model.parameters(), None)
+        return self._states.get(param) if param is not None else None
+
     def reset(self, seed: int | None = None) -> None:
-        """Start a new generation: forget the importance map and restart the random sequence
+        """Start a new generation: forget every importance map and restart the random sequence
         (from ``seed``, else the config's seed)."""
         self.sampler.reseed(self.config.seed if seed is None else seed)
-        self.importance.reset()
+        for state in [*self._states.values(), self._unkeyed]:
+            state.reset()
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    def _state_for(self, key: torch.Tensor | None) -> ImportanceState:
+        state = self._unkeyed if key is None else self._states.setdefault(key, ImportanceState())
+        self._last = state
+        return state
+
+    def say_once(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            logger.warning("%s", message)
+            warnings.warn(message, ToMeWarning, stacklevel=3)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
+                 options: dict[str, Any] | None = None) -> Callable[..., Any]:
+        compile_fn = _inner_compiler(self.compiler, mode, options)
         if not self.config.enabled:
-            return self._compile(gm, example_inputs)
-        if not all(_is_static(x) for x in example_inputs):
-            return _Specializing(self, gm, example_inputs)
-        return self._compile_static(gm, example_inputs)
+            return compile_fn(gm, example_inputs)
+        io = find_unet_io(gm)
+        if _has_symbolic_shapes(gm):
+            return _Specializing(self, gm, example_inputs, compile_fn, io)
+        return self._compile_static(gm, example_inputs, compile_fn, io)
 
-    def _compile_static(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    def _rewrite_and_compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], compile_fn: CompilerFn,
+                             method: str) -> tuple[ToMeResult, Callable[..., Any]]:
         # Rewrite a copy: Dynamo keeps using its own graph afterwards.
         rewritten = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-        result = merge_self_attention(rewritten, self.config, oracle=self.oracle, method="tome")
+        result = merge_self_attention(rewritten, self.config, oracle=self.oracle, method=method)
+        mode = _fake_mode(example_inputs)
+        device = _device_of(example_inputs)
+        extra = [mode.from_tensor(s.zeros(device)) if mode is not None else s.zeros(device)
+                 for s in result.inputs]
+        module = rewritten if result.modified else gm
+        return result, compile_fn(module, list(example_inputs) + extra)
+
+    def _compile_static(self, gm: fx.GraphModule, example_inputs: Sequence[Any], compile_fn: CompilerFn,
+                        io: UNetIO) -> Callable[..., Any]:
+        result, compiled = self._rewrite_and_compile(gm, example_inputs, compile_fn, "tome")
         self.reports.append(result)
         logger.info("%s", result.summary())
         warn_if_nothing_rewritten(result, self.config)
-        if not result.modified:
-            return self._compile(gm, example_inputs)
-        extra = self._example_extra(result, example_inputs)
-        compiled = self._compile(rewritten, list(example_inputs) + extra)
-        tome_fn = self._bind(compiled, result, example_inputs)
-        if self.config.method != "importance" or self.oracle:
-            return tome_fn
+        runner = _Runner(self, io, _device_of(example_inputs), compiled, result.inputs)
+        if self.config.method != "importance" or self.oracle or not result.modified:
+            return runner
         # Importance: a second graph whose plans read the guidance map; the tome graph above is
         # the fallback for calls without a map. Both are compiled now: no recompile mid-generation.
-        rewritten_imp = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-        result_imp = merge_self_attention(rewritten_imp, self.config, method="importance")
+        result_imp, compiled_imp = self._rewrite_and_compile(gm, example_inputs, compile_fn, "importance")
         if result_imp.method != "importance":
-            return tome_fn  # odd batch: no CFG pair, ToMe only
+            self.say_once(f"ToMe: importance merging needs CFG batches [uncond; cond]; a batch of "
+                          f"{result_imp.batch} holds no pair, so its calls use random ToMe plans")
+            return runner
         self.reports.append(result_imp)
-        extra_imp = self._example_extra(result_imp, example_inputs)
-        compiled_imp = self._compile(rewritten_imp, list(example_inputs) + extra_imp)
-        return self._bind_importance(tome_fn, compiled_imp, result_imp, gm, example_inputs)
-
-    def _example_extra(self, result: ToMeResult, example_inputs: Sequence[Any]) -> list[Any]:
-        device = _device_of(example_inputs)
-        mode = _fake_mode(example_inputs)
-        extra = []
-        pairs = result.pairs
-        for name in result.inputs:
-            if name == PARTITION_INPUT:
-                value = torch.zeros(result.partition_size, dtype=torch.int64, device=device)
-            elif name == IMPORTANCE_INPUT:
-                value = torch.zeros(pairs, *(result.latent_hw or (1, 1)), device=device)
-            elif name == DST_KEY_INPUT:
-                value = torch.zeros(pairs, sum(result.dst_key_sizes), device=device)
-            else:  # pragma: no cover - inputs are added by this package only
-                raise AssertionError(name)
-            extra.append(mode.from_tensor(value) if mode is not None else value)
-        return extra
-
-    def _bind(self, compiled: Callable[..., Any], result: ToMeResult,
-              example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        if not result.inputs:
-            return compiled
-        cells = list(result.partition_cells)
-        choices = self.config.sx * self.config.sy
-        sampler = self.sampler
-        device = _device_of(example_inputs)
-
-        def run(*args: Any) -> Any:
-            return compiled(*args, sampler.draw(cells, choices, device))
-
-        return run
-
-    def _bind_importance(self, tome_fn: Callable[..., Any], compiled: Callable[..., Any],
-                         result: ToMeResult, gm: fx.GraphModule,
-                         example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        sample_index, timestep_index, output_index = _unet_io(gm)
-        state, sampler, use_rand = self.importance, self.sampler, DST_KEY_INPUT in result.inputs
-        pairs, total = result.pairs, sum(result.dst_key_sizes)
-        device = _device_of(example_inputs)
-
-        def run(*args: Any) -> Any:
-            sample = args[sample_index]
-            timestep = args[timestep_index] if timestep_index is not None else None
-            current = state.current(tuple(sample.shape), timestep)
-            if current is None:
-                out = tome_fn(*args)
-            else:
-                extra = [current.to(device)]
-                if use_rand:
-                    extra.append(sampler.draw_keys(pairs, total, device))
-                out = compiled(*args, *extra)
-            outputs = out if isinstance(out, (list, tuple)) else [out]
-            state.update(outputs[output_index])
-            return out
-
-        return run
+        runner.importance_fn, runner.importance_specs = compiled_imp, result_imp.inputs
+        return runner
 
 
-def _unet_io(gm: fx.GraphModule) -> tuple[int, int | None, int]:
-    """Positions of the sample and timestep inputs and of the noise output in a U-Net graph."""
+class _Runner:
+    """The compiled U-Net graph, called with this call's ToMe inputs appended.
+
+    With importance merging it holds two graphs: the importance graph when the model's state has
+    a map from the previous call, else the ToMe graph (first step, new generation); it then fills
+    the state from this call's output.
+    """
+
+    def __init__(self, backend: ToMeBackend, io: UNetIO, device: torch.device, tome_fn: Callable[..., Any],
+                 tome_specs: list[ToMeInputSpec]) -> None:
+        self.backend, self.io, self.device = backend, io, device
+        self.tome_fn, self.tome_specs = tome_fn, tome_specs
+        self.importance_fn: Callable[..., Any] | None = None
+        self.importance_specs: list[ToMeInputSpec] = []
+        self._param_index: int | None = -1  # the first parameter argument: the model's identity
+
+    def _state(self, args: Sequence[Any]) -> ImportanceState:
+        if self._param_index == -1:
+            self._param_index = next((i for i, a in enumerate(args) if isinstance(a, torch.nn.Parameter)), None)
+        return self.backend._state_for(args[self._param_index] if self._param_index is not None else None)
+
+    def __call__(self, *args: Any) -> Any:
+        sampler = self.backend.sampler
+        if self.importance_fn is None:
+            return self.tome_fn(*args, *draw_tome_inputs(self.tome_specs, sampler, None, self.device))
+        state = self._state(args)
+        current = state.current(tuple(args[self.io.sample_index].shape), self.io.timestep(args))
+        if current is None:
+            out = self.tome_fn(*args, *draw_tome_inputs(self.tome_specs, sampler, None, self.device))
+        else:
+            out = self.importance_fn(*args, *draw_tome_inputs(self.importance_specs, sampler, current,
+                                                              self.device))
+        outputs = out if isinstance(out, (list, tuple)) else [out]
+        state.update(outputs[self.io.output_index])
+        return out
+
+
+def _baked_scalar_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[int, list[fx.Node]]:
+    """Inputs whose value make_fx bakes in: symbolic scalars, and the 0-d tensors Dynamo reads with
+    ``.item()`` (unspecialised floats such as group norm's eps under ``dynamic=True``).
+    ``{position: nodes to replace by the value}``."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    conv = next(n for n in gm.graph.nodes if n.op == "call_function" and "conv" in str(n.target))
-    node = conv.args[0]
-    while isinstance(node, fx.Node) and node.op != "placeholder":
-        node = next((a for a in node.all_input_nodes if node_shape(a) == node_shape(node)), None)
-    sample_index = placeholders.index(node) if node in placeholders else 0
-
-    def reaches_time_proj(start: fx.Node) -> bool:
-        frontier, seen = [start], set()
-        for _ in range(6):
-            nxt = []
-            for n in frontier:
-                for user in n.users:
-                    if module_path(user).startswith("time_proj"):
-                        return True
-                    if user not in seen:
-                        seen.add(user)
-                        nxt.append(user)
-            frontier = nxt
-        return False
-
-    timestep_index = next((i for i, p in enumerate(placeholders)
-                           if i != sample_index and node_shape(p) is not None
-                           and len(node_shape(p) or ()) <= 1 and reaches_time_proj(p)), None)
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    flat = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
-    sample_shape = node_shape(placeholders[sample_index]) or ()
-    output_index = next((i for i, o in enumerate(flat)
-                         if len(node_shape(o) or ()) == 4 and (node_shape(o) or ())[0] == sample_shape[0]
-                         and (node_shape(o) or ())[2:] == sample_shape[2:]), 0)
-    return sample_index, timestep_index, output_index
+    baked: dict[int, list[fx.Node]] = {}
+    for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        if isinstance(value, (torch.SymInt, torch.SymFloat, int, float)) and not isinstance(value, bool):
+            baked[i] = [node]
+        elif isinstance(value, torch.Tensor) and value.dim() == 0:
+            items = [u for u in node.users if u.op == "call_method" and u.target == "item"]
+            if items:
+                baked[i] = items
+    return baked
 
 
 class _Specializing:
-    """A graph with symbolic shapes (Dynamo went dynamic after a resolution change).
+    """A graph with symbolic shapes (``dynamic=True``, or Dynamo went dynamic after a resolution
+    change).
 
     Token counts decide which blocks merge and how many tokens; they must be static. So this
     callable specialises: for each new concrete shape it re-traces the graph at that shape
-    (``make_fx``, pre-dispatch, keeping ``nn_module_stack``), rewrites and compiles it, and caches
-    the result. Dynamo sees one graph and does not recompile; each resolution is compiled once.
+    (``make_fx``, pre-dispatch, keeping ``nn_module_stack``) with its scalar inputs set to their
+    values, rewrites and compiles it, and caches the result. Dynamo sees one graph and does not
+    recompile; each resolution is compiled once.
     """
 
-    def __init__(self, backend: ToMeBackend, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
-        self.backend = backend
-        self.gm = gm
-        self.symbolic = [i for i, x in enumerate(example_inputs) if not _is_static(x)]
+    def __init__(self, backend: ToMeBackend, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                 compile_fn: CompilerFn, io: UNetIO) -> None:
+        self.backend, self.gm, self.compile_fn, self.io = backend, gm, compile_fn, io
+        self.tensors = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
+        self.baked = _baked_scalar_inputs(gm, example_inputs)
         self.cache: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        if io.timestep_index is not None and io.timestep_index in self.baked:
+            backend.say_once("ToMe: dynamic=True with a Python-number timestep: every new timestep value "
+                             "is compiled again; pass the timestep as a tensor (torch.tensor(t)), or leave "
+                             "dynamic unset")
         logger.info("ToMe: graph with symbolic shapes; specialising per resolution")
 
     def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
-        return tuple(tuple(args[i].shape) if isinstance(args[i], torch.Tensor) else args[i]
-                     for i in self.symbolic)
+        return (tuple(tuple(args[i].shape) for i in self.tensors),
+                tuple(float(args[i]) for i in sorted(self.baked)))
 
     def __call__(self, *args: Any) -> Any:
         key = self._key(args)
@@ -278,11 +302,27 @@ class _Specializing:
             fn = self.cache[key] = self._specialise(args)
         return fn(*args)
 
+    def _concrete(self, args: Sequence[Any]) -> fx.GraphModule:
+        """A copy of the graph with the baked inputs replaced by this call's values."""
+        gm = fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))
+        names = {n.name: n for n in gm.graph.nodes}
+        for i, nodes in self.baked.items():
+            value = args[i].item() if isinstance(args[i], torch.Tensor) else args[i]
+            for original in nodes:
+                node = names[original.name]
+                for user in list(node.users):
+                    user.args = fx.node.map_arg(user.args, lambda a, n=node, v=value: v if a is n else a)
+                    user.kwargs = fx.node.map_arg(user.kwargs, lambda a, n=node, v=value: v if a is n else a)
+                if node.op != "placeholder":
+                    gm.graph.erase_node(node)
+        gm.recompile()
+        return gm
+
     def _specialise(self, args: Sequence[Any]) -> Callable[..., Any]:
         import torch.fx.traceback as fx_traceback
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        gm = self.gm
+        gm = self._concrete(args)
 
         def run(*a: Any) -> Any:
             with fx_traceback.preserve_node_meta():
@@ -293,7 +333,7 @@ class _Specializing:
         mode = _fake_mode_of(static)
         examples = [mode.from_tensor(a) if isinstance(a, torch.Tensor) and mode is not None else a
                     for a in args]
-        return self.backend._compile_static(static, examples)
+        return self.backend._compile_static(static, examples, self.compile_fn, self.io)
 
 
 def _fake_mode_of(gm: fx.GraphModule) -> Any:
@@ -320,12 +360,14 @@ def tome_backend(ratio: float | ToMeConfig = 0.5, *, compiler: str | CompilerFn 
     return ToMeBackend(config, compiler=compiler, generator=generator)
 
 
-def tome(gm: fx.GraphModule, example_inputs: Sequence[Any],
-         options: dict[str, Any] | None = None, **kwargs: Any) -> Callable[..., Any]:
+def tome(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None,
+         mode: str | None = None) -> Callable[..., Any]:
     """The backend registered as ``"tome"``: ``torch.compile(m, backend="tome", options={...})``.
 
-    A fresh backend per compile: its partition sequence starts from ``options["seed"]``.
+    ``options`` are ToMe's (any :class:`ToMeConfig` field, plus ``compiler``); ``mode`` is the
+    inner inductor's. A fresh backend per compile: its partition sequence starts from
+    ``options["seed"]``.
     """
     opts = dict(options or {})
     compiler = opts.pop("compiler", "inductor")
-    return tome_backend(compiler=compiler, **opts)(gm, example_inputs)
+    return tome_backend(compiler=compiler, **opts)(gm, example_inputs, mode=mode)

@@ -28,13 +28,11 @@ class ImportanceState:
         self.shape: tuple[int, ...] | None = None
         self.timestep: float | None = None
         self.calls = 0
-        self.resets = 0
 
     def reset(self) -> None:
         """Forget the map: the next call falls back to ToMe."""
         self.map = None
         self.timestep = None
-        self.resets += 1
 
     @staticmethod
     def _scalar(timestep: object) -> float | None:

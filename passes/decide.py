@@ -1,0 +1,140 @@
+"""Decide, per attention site, whether and how its block is merged: a plan, or a reason not to.
+
+Checks only (no graph change), in the manner of onnxscript's rule ``check``s: every function
+returns either what the rewrite needs or a :class:`Skip` with a one-line reason for the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from tome_compile import merge as _merge
+from tome_compile.config import ToMeConfig
+from tome_compile.passes import sites as _sites
+
+__all__ = ["BlockPlan", "Skip", "Target", "decide_site"]
+
+
+@dataclass(frozen=True)
+class Skip:
+    """Why a site is left alone (with the grid facts known so far, for the report)."""
+
+    reason: str
+    grid: tuple[int, int] | None = None
+    downsample: int | None = None
+
+
+@dataclass(frozen=True)
+class Target:
+    """One region merged with the block's plan: ``output(region(input))``."""
+
+    input: fx.Node
+    output: fx.Node
+    region: tuple[fx.Node, ...]
+    path: str  # module path of the region (…transformer_blocks.0.attn2)
+    name: str  # "attn1", "attn2", "ff"
+    bakes_tokens: bool = False  # classic AttnProcessor: reshapes hold the token count literally
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """A transformer block the pass will rewrite, everything decided from shapes."""
+
+    site: _sites.AttentionSite
+    metric: fx.Node  # the block input x of norm1(x): tomesd's similarity metric
+    tokens: int  # N
+    merged: int  # r
+    grid: tuple[int, int]  # (h, w) of the block's token grid
+    downsample: int
+    targets: tuple[Target, ...] = field(default_factory=tuple)
+
+
+def _short(path: str, block: str) -> str:
+    return path[len(block) + 1:] if block and path.startswith(block + ".") else path
+
+
+def _block_size(site: _sites.AttentionSite, config: ToMeConfig,
+                latent: tuple[int, int] | None) -> tuple[int, int, int, int] | Skip:
+    """``(N, h, w, downsample)`` of a self-attention's block, or why it is not merged."""
+    if site.kind != "self-attention" or site.problem is not None:
+        return Skip(site.problem or "not a self-attention (q, k, v are not projections of one tensor)")
+    if latent is None:
+        return Skip("latent size unknown (no conv_in input shape); pass latent_hw=")
+    n = int(site.tokens or 0)
+    downsample, h, w = _sites.block_grid(latent, n)
+    if h * w != n:
+        return Skip(f"{n} tokens do not form the {h}x{w} grid of a {latent[0]}x{latent[1]} latent",
+                    downsample=downsample)
+    if downsample > config.max_downsample:
+        threshold = (latent[0] * latent[1]) // (config.max_downsample ** 2)
+        return Skip(f"downsample {downsample} > max_downsample={config.max_downsample} "
+                    f"({n} tokens < {threshold})", (h, w), downsample)
+    if _merge.partition_cells(h, w, config.sx, config.sy) == 0:
+        return Skip(f"the {h}x{w} token grid is narrower than the sx={config.sx} x sy={config.sy} "
+                    "destination stride: no destination cell, left unmerged", (h, w), downsample)
+    return n, h, w, downsample
+
+
+def _merge_count(n: int, h: int, w: int, config: ToMeConfig) -> int:
+    """tomesd's ``r = int(N * ratio)``, capped at the sources (and, for importance, so that both
+    the importance and the fallback plan merge the same count)."""
+    r = min(int(n * config.ratio), n - _merge.partition_cells(h, w, config.sx, config.sy))
+    if config.method == "importance":
+        r = min(r, n - int(n * config.dst_fraction))
+    return r
+
+
+def _targets(site: _sites.AttentionSite, found: list[_sites.AttentionSite], graph: fx.Graph,
+             config: ToMeConfig) -> list[Target] | str:
+    """The regions of the block merged with one plan (attn1; attn2 / ff when asked), or why not."""
+    block = site.block_path
+    classic = {_short(s.path, block) for s in found if s.block_path == block and s.form == "classic"}
+    out: list[Target] = []
+    if config.merge_attn:
+        assert site.output is not None
+        name = _short(site.path, block)
+        out.append(Target(input=site.input, output=site.output, region=tuple(site.nodes), path=site.path,
+                          name=name, bakes_tokens=name in classic))
+    if config.merge_crossattn:
+        for c in (s for s in found if s.kind == "cross-attention" and s.block_path == block):
+            if c.problem is not None or c.output is None:
+                return f"{c.path}: {c.problem}"
+            name = _short(c.path, block)
+            out.append(Target(input=c.input, output=c.output, region=tuple(c.nodes), path=c.path, name=name,
+                              bakes_tokens=name in classic))
+    if config.merge_mlp:
+        ff = _sites.region_nodes(graph, block + ".ff")
+        exits = _sites.region_exits(ff)
+        inside = set(ff)
+        inputs = {a for node in ff for a in node.all_input_nodes
+                  if a not in inside and _sites.node_shape(a) == _sites.node_shape(site.input)}
+        if len(exits) != 1 or len(inputs) != 1:
+            return f"{block}.ff: region has {len(inputs)} inputs / {len(exits)} outputs"
+        out.append(Target(input=inputs.pop(), output=exits[0], region=tuple(ff), path=block + ".ff", name="ff"))
+    return out
+
+
+def decide_site(site: _sites.AttentionSite, found: list[_sites.AttentionSite], graph: fx.Graph,
+                config: ToMeConfig, latent: tuple[int, int] | None) -> BlockPlan | Skip:
+    """The plan for ``site``'s block, or why it is skipped (tomesd's rule, from shapes)."""
+    if site.kind == "cross-attention":
+        return Skip("cross-attention" + (f" ({site.problem})" if site.problem else ""))
+    size = _block_size(site, config, latent)
+    if isinstance(size, Skip):
+        return size
+    n, h, w, downsample = size
+    r = _merge_count(n, h, w, config)
+    if r <= 0:
+        return Skip(f"ratio={config.ratio} merges no token of {n}", (h, w), downsample)
+    metric = _sites.norm_input(site.input)
+    if metric is None:
+        return Skip("attention input is not a layer norm of the block input", (h, w), downsample)
+    targets = _targets(site, found, graph, config)
+    if isinstance(targets, str):
+        return Skip(f"cannot merge every requested module ({targets})", (h, w), downsample)
+    if not targets:
+        return Skip("merge_attn, merge_crossattn and merge_mlp are all off", (h, w), downsample)
+    return BlockPlan(site=site, metric=metric, tokens=n, merged=r, grid=(h, w), downsample=downsample,
+                     targets=tuple(targets))

@@ -1,0 +1,131 @@
+"""Rewrite one transformer block: ``attn1(norm1(x)) -> unmerge(attn1(merge(norm1(x))))``.
+
+One *plan* node per block computes the merge from the block input ``x`` (tomesd's metric); a
+merge node goes after each target region's input and an unmerge node after its output, before
+the residual add. Inserted nodes are tagged ``node.meta["tome"] = {"site", "role"}``.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from tome_compile import merge as _merge
+from tome_compile.config import ToMeConfig
+from tome_compile.passes import sites as _sites
+from tome_compile.passes.decide import BlockPlan, Target
+
+__all__ = ["BlockInputs", "rewrite_block"]
+
+
+@dataclass(frozen=True)
+class BlockInputs:
+    """The graph inputs one block's plan reads, and where its slice of each starts.
+
+    ``method`` is "tome", "importance" or "oracle"; ``has_map`` set means the plan is chosen in
+    the graph per call (importance when the map is there, else ToMe: one graph for both steps).
+    """
+
+    method: str
+    partition: fx.Node | None = None
+    cell_offset: int = 0
+    importance: fx.Node | None = None
+    has_map: fx.Node | None = None
+    dst_key: fx.Node | None = None
+    key_offset: int = 0
+    pool: int = 0
+
+
+def _tag(node: fx.Node, site: str, role: str) -> fx.Node:
+    node.meta["tome"] = {"site": site, "role": role}
+    return node
+
+
+def _replace_literal_tokens(nodes: Sequence[fx.Node], n: int, n_after: int) -> int:
+    """Classic ``AttnProcessor`` bakes the token count into its reshapes (``[2, 4096, 8, 8]``):
+    rewrite those literals inside the merged region. Returns how many were changed."""
+    changed = 0
+
+    def fix(value: Any) -> Any:
+        nonlocal changed
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value == n:
+            changed += 1
+            return n_after
+        if isinstance(value, (list, tuple)) and any(isinstance(v, int) and not isinstance(v, bool)
+                                                    and v == n for v in value):
+            return type(value)(fix(v) for v in value)
+        return value
+
+    for node in nodes:
+        shape = _sites.node_shape(node)
+        if node.op not in ("call_method", "call_function") or shape is None or n not in shape:
+            continue
+        node.args = tuple(fix(a) for a in node.args)
+        node.kwargs = {k: fix(v) for k, v in node.kwargs.items()}
+    return changed
+
+
+def _plan(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: BlockInputs) -> fx.Node:
+    """The plan node ``(slot, weight)`` of the block, right after the attention input."""
+    (h, w), r, path = plan.grid, plan.merged, plan.site.path
+    cells = _merge.partition_cells(h, w, config.sx, config.sy)
+
+    def call(fn: Any, *args: Any) -> fx.Node:
+        return _tag(graph.call_function(fn, args), path, "plan")
+
+    choice = call(torch.narrow, io.partition, 0, io.cell_offset, cells) if io.partition is not None else None
+    if io.method != "importance":
+        return call(_merge.tome_plan, plan.metric, choice, h, w, config.sx, config.sy, r)
+    key = call(torch.narrow, io.dst_key, 1, io.key_offset, io.pool) if io.dst_key is not None else None
+    fitted = call(_merge.fit_importance, io.importance, h, w)
+    if io.has_map is not None:
+        return call(_merge.importance_or_tome_plan, plan.metric, io.has_map, fitted, key, choice, h, w,
+                    config.sx, config.sy, r, config.pool_factor, config.dst_fraction)
+    return call(_merge.importance_plan, plan.metric, fitted, key, h, w, r, config.pool_factor,
+                config.dst_fraction)
+
+
+def _merge_target(graph: fx.Graph, plan: BlockPlan, target: Target, after: fx.Node,
+                  slot: fx.Node | None, weight: fx.Node | None) -> None:
+    """``output(region(input)) -> unmerge(output(region(merge(input))))``; oracle without a plan."""
+    path, r = plan.site.path, plan.merged
+    inside = set(target.region)
+    with graph.inserting_after(after):
+        merged = (graph.call_function(_merge.merge_tokens, (target.input, slot, weight)) if slot is not None
+                  else graph.call_function(_merge.oracle_merge, (target.input, r)))
+    _tag(merged, path, "merge")
+    for user in list(target.input.users):
+        if user in inside:
+            user.replace_input_with(target.input, merged)
+    if target.bakes_tokens:
+        _replace_literal_tokens(target.region, plan.tokens, plan.tokens - r)
+    with graph.inserting_after(target.output):
+        un = (graph.call_function(_merge.unmerge_tokens, (target.output, slot)) if slot is not None
+              else graph.call_function(_merge.oracle_unmerge, (target.output, r)))
+    _tag(un, path, "unmerge")
+    for user in list(target.output.users):
+        if user is not un and user not in inside:
+            user.replace_input_with(target.output, un)
+
+
+def rewrite_block(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: BlockInputs) -> None:
+    """Insert the block's plan, then merge/unmerge around every target region."""
+    slot = weight = None
+    last: fx.Node = plan.site.input
+    if io.method != "oracle":
+        # inserting_before(next) keeps creation order (inserting_after(n) would reverse it)
+        with graph.inserting_before(plan.site.input.next):
+            node = _plan(graph, plan, config, io)
+            slot = _tag(graph.call_function(operator.getitem, (node, 0)), plan.site.path, "plan")
+            weight = _tag(graph.call_function(operator.getitem, (node, 1)), plan.site.path, "plan")
+        last = weight
+    for target in plan.targets:
+        _merge_target(graph, plan, target, last if target.input is plan.site.input else target.input,
+                      slot, weight)

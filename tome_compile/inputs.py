@@ -1,0 +1,89 @@
+"""The extra graph inputs of a rewritten U-Net, described once (STYLE.md habit 16).
+
+The pass appends inputs to the graph (the random destination partition, the importance map, ...)
+and returns one :class:`ToMeInputSpec` per input. Everything that feeds a rewritten graph — the
+``torch.compile`` backend, the ONNX export (its example values and its metadata) and
+``ToMeSession`` — reads these specs and draws the values with :func:`draw_tome_inputs`, so the
+compiled and the ONNX paths see the same numbers call by call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tome_compile.sampler import PartitionSampler
+
+__all__ = ["DRAWS", "ToMeInputSpec", "draw_tome_inputs"]
+
+# How each kind of input is drawn per U-Net call; ``map`` is the importance map (or None).
+#   partition  [sum(h*w of cells)] int64  one destination choice per sx*sy cell; drawn when there is no map
+#   importance [P, H, W] float32          the guidance map of the previous call (zeros: none yet)
+#   has_map    [] bool                    whether ``importance`` holds a map (picks the plan in-graph)
+#   dst_key    [P, M] float32             uniform keys for importance's destination draw, when there is a map
+DRAWS = ("partition", "importance", "has_map", "dst_key")
+
+_DTYPES = {"int64": torch.int64, "float32": torch.float32, "bool": torch.bool}
+
+
+@dataclass(frozen=True)
+class ToMeInputSpec:
+    """One graph input appended by the pass: its name, shape, dtype and how it is drawn.
+
+    ``cells`` (partition only) is the destination grid ``(h // sy, w // sx)`` of every random
+    site in execution order, ``choices`` the ``sx * sy`` tokens a cell can pick from.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    draw: str
+    cells: tuple[tuple[int, int], ...] = ()
+    choices: int = 0
+
+    def __post_init__(self) -> None:
+        if self.draw not in DRAWS:
+            raise ValueError(f"draw={self.draw!r} is not one of {DRAWS}")
+
+    def zeros(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A placeholder value of the right shape and dtype (tracing, "nothing drawn")."""
+        return torch.zeros(self.shape, dtype=self.dtype, device=device)
+
+    def to_json(self) -> dict[str, Any]:
+        dtype = next(k for k, v in _DTYPES.items() if v == self.dtype)
+        return {"name": self.name, "shape": list(self.shape), "dtype": dtype, "draw": self.draw,
+                "cells": [list(c) for c in self.cells], "choices": self.choices}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ToMeInputSpec:
+        return cls(name=data["name"], shape=tuple(data["shape"]), dtype=_DTYPES[data["dtype"]],
+                   draw=data["draw"], cells=tuple((int(a), int(b)) for a, b in data.get("cells", ())),
+                   choices=int(data.get("choices", 0)))
+
+
+def draw_tome_inputs(specs: Sequence[ToMeInputSpec], sampler: PartitionSampler,
+                     importance: torch.Tensor | None, device: torch.device | str) -> list[torch.Tensor]:
+    """Values for ``specs`` (in order) for one U-Net call.
+
+    Without a map (``importance=None``: ToMe, or importance's fallback step) the partition is
+    drawn, in tomesd's order; with a map the destination keys are drawn instead. Only what the
+    call uses is drawn, so the backend and ``ToMeSession`` advance their generators identically.
+    """
+    device = torch.device(device)
+    values = []
+    for spec in specs:
+        if spec.draw == "partition":
+            value = (sampler.draw(list(spec.cells), spec.choices, device) if importance is None
+                     else spec.zeros(device))
+        elif spec.draw == "importance":
+            value = spec.zeros(device) if importance is None else importance.to(device, torch.float32)
+        elif spec.draw == "has_map":
+            value = torch.tensor(importance is not None, device=device)
+        else:  # dst_key
+            value = (sampler.draw_keys(spec.shape[0], spec.shape[1], device) if importance is not None
+                     else spec.zeros(device))
+        values.append(value)
+    return values
