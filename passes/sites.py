@@ -64,7 +64,8 @@ _PASSTHROUGH_FUNCS: set[Any] = {
 }
 # The sinusoidal timestep embedding (diffusers' ``Timesteps``): the U-Net's timestep feeds it.
 _TIME_EMBED_OPS: set[Any] = {torch.sin, torch.cos, torch.ops.aten.sin.default, torch.ops.aten.cos.default}
-_TENSOR_CONSTANT_OPS: set[Any] = {torch.tensor, torch.as_tensor}  # torch.tensor([999]): an int timestep
+# torch.tensor([t]) of a Python-number timestep: baked (999) -> torch.tensor; symbolic -> torch._refs.tensor
+_TENSOR_CONSTANT_OPS: set[Any] = {torch.tensor, torch.as_tensor, torch._refs.tensor}
 
 
 def node_shape(node: Any) -> tuple[Any, ...] | None:
@@ -294,17 +295,17 @@ def _timestep_source(gm: fx.GraphModule, sample: fx.Node | None) -> tuple[fx.Nod
     if embed is None:
         return None, None
     ancestors = _ancestors(embed)
-    for node in ancestors:
+    for node in ancestors:  # a tensor timestep: [] or [B]
         value = node.meta.get("example_value", node.meta.get("val"))
-        scalar = isinstance(value, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(value, bool)
-        small = isinstance(value, torch.Tensor) and value.dim() <= 1
-        if node.op == "placeholder" and node is not sample and (scalar or small):
+        if node.op == "placeholder" and node is not sample and isinstance(value, torch.Tensor) and value.dim() <= 1:
             return node, None
-    for node in ancestors:
+    for node in ancestors:  # a Python number: diffusers wraps it, torch.tensor([t])
         if _is_call(node, _TENSOR_CONSTANT_OPS) and node.args:
             flat = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
-            if flat and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in flat):
-                return None, float(flat[0])
+            if len(flat) == 1 and isinstance(flat[0], fx.Node) and flat[0].op == "placeholder":
+                return flat[0], None  # a symbolic int/float (Dynamo made it dynamic)
+            if len(flat) == 1 and isinstance(flat[0], (int, float)) and not isinstance(flat[0], bool):
+                return None, float(flat[0])  # baked in: the graph runs for this value only
     return None, None
 
 

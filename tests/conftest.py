@@ -76,10 +76,22 @@ class GraphCapture:
         return gm.forward
 
 
-class DynamoGraph(torch.fx.GraphModule):
-    """A copy of Dynamo's graph (free to rewrite) plus the arguments Dynamo called it with."""
+class CountingCompiler:
+    """Inner compiler that counts how often it is asked to compile (= Dynamo graphs)."""
 
-    graph_args: list[Any]
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        self.calls += 1
+        return gm.forward
+
+
+@pytest.fixture(scope="module")
+def sd15():
+    """The tiny SD 1.5-like U-Net and inputs for its 16 x 16 latent (256 tokens at the top)."""
+    unet = tiny_unet("sd15")
+    return unet, tiny_inputs(unet)
 
 
 def dynamo_graph(unet: torch.nn.Module, inputs: Any) -> torch.fx.GraphModule:

@@ -7,20 +7,9 @@ import warnings
 
 import pytest
 import torch
-from conftest import call, tiny_inputs, tiny_unet, tomesd_reference
+from conftest import CountingCompiler, call, tiny_inputs, tiny_unet, tomesd_reference
 
 from tome_compile import ToMeWarning, tome_backend
-
-
-class CountingCompiler:
-    """Inner compiler that counts how often it is asked to compile (= Dynamo graphs)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, gm, example_inputs):
-        self.calls += 1
-        return gm.forward
 
 
 def compiled(unet, **options):

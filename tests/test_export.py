@@ -18,21 +18,21 @@ HW = 128  # image size of the tiny latent-space models: 16 x 16 latent, 256 toke
 
 
 @pytest.fixture(scope="module")
-def sd15():
-    return tiny_unet("sd15")
+def unet(sd15):
+    return sd15[0]
 
 
 @pytest.fixture(scope="module")
-def sd15_folder(tmp_path_factory, sd15):
+def sd15_folder(tmp_path_factory, unet):
     folder = tmp_path_factory.mktemp("tiny_sd15")
-    sd15.save_pretrained(folder)
+    unet.save_pretrained(folder)
     return folder
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory, sd15):
+def exported(tmp_path_factory, unet):
     out = tmp_path_factory.mktemp("onnx") / "unet.onnx"
-    result = export_onnx(copy.deepcopy(sd15), out, ToMeConfig(ratio=0.5, seed=0), height=HW, width=HW, seq_len=7,
+    result = export_onnx(copy.deepcopy(unet), out, ToMeConfig(ratio=0.5, seed=0), height=HW, width=HW, seq_len=7,
                          atol=1e-4)
     return result
 
@@ -53,13 +53,13 @@ def test_export_writes_checked_model_with_partition_input(exported):
     assert check_op_inventory(exported.path).ok
 
 
-def test_session_equals_compiled_backend(exported, sd15):
+def test_session_equals_compiled_backend(exported, unet):
     # Same seed => same partition sequence => the ONNX and torch.compile paths agree call by call.
     session = ToMeSession(exported.path, seed=3)
     assert session.provider == "CPUExecutionProvider"
     backend = tome_backend(0.5, compiler="eager", seed=3)
-    compiled = torch.compile(copy.deepcopy(sd15), backend=backend, fullgraph=True)
-    inputs = tiny_inputs(sd15)
+    compiled = torch.compile(copy.deepcopy(unet), backend=backend, fullgraph=True)
+    inputs = tiny_inputs(unet)
     for _ in range(2):
         got = session(inputs.sample, inputs.timestep, encoder_hidden_states=inputs.encoder_hidden_states).sample
         assert (got - call(compiled, inputs)).abs().max() < 1e-4
@@ -73,13 +73,13 @@ def test_session_rejects_wrong_shapes(exported):
         session(torch.zeros(1, 4, 16, 16), torch.tensor(1), torch.zeros(1, 7, 32))
 
 
-def test_no_rand_export_equals_tomesd(tmp_path, sd15):
-    result = export_onnx(copy.deepcopy(sd15), tmp_path / "m.onnx", ToMeConfig(ratio=0.5, use_rand=False),
+def test_no_rand_export_equals_tomesd(tmp_path, unet):
+    result = export_onnx(copy.deepcopy(unet), tmp_path / "m.onnx", ToMeConfig(ratio=0.5, use_rand=False),
                          height=HW, width=HW, seq_len=7, atol=1e-4)
     assert result.input_names == ["sample", "timestep", "encoder_hidden_states"]  # exactly the standard ones
-    inputs = tiny_inputs(sd15)
+    inputs = tiny_inputs(unet)
     got = ToMeSession(result.path)(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
-    ref = tomesd_reference(sd15, ratio=0.5, use_rand=False)
+    ref = tomesd_reference(unet, ratio=0.5, use_rand=False)
     assert (got - call(ref, inputs)).abs().max() < 1e-4
 
 
@@ -184,7 +184,7 @@ def test_failed_export_leaves_nothing_behind(tmp_path, sd15_folder, capsys):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and onnxruntime-gpu")
-def test_cuda_session_parity(exported, sd15):
+def test_cuda_session_parity(exported, unet):
     import onnxruntime as ort
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -192,23 +192,23 @@ def test_cuda_session_parity(exported, sd15):
     cpu = ToMeSession(exported.path, seed=1, providers=["CPUExecutionProvider"])
     gpu = ToMeSession(exported.path, seed=1)
     assert gpu.provider == "CUDAExecutionProvider"
-    inputs = tiny_inputs(sd15)
+    inputs = tiny_inputs(unet)
     a = cpu(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
     b = gpu(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
     assert (a - b).abs().max() < 1e-3
 
 
-def test_importance_export_matches_compiled_path(tmp_path, sd15):
+def test_importance_export_matches_compiled_path(tmp_path, unet):
     config = ToMeConfig(ratio=0.5, method="importance", seed=0)
-    result = export_onnx(copy.deepcopy(sd15), tmp_path / "imp.onnx", config, height=HW, width=HW, seq_len=7,
+    result = export_onnx(copy.deepcopy(unet), tmp_path / "imp.onnx", config, height=HW, width=HW, seq_len=7,
                          atol=1e-4)
     assert result.input_names[3:] == ["tome_importance", "tome_has_map", "tome_dst_key", "tome_partition"]
     model = onnx.load(str(result.path), load_external_data=False)
     assert sum(n.op_type == "If" for n in model.graph.node) == 3  # one per site: importance | ToMe plan
     session = ToMeSession(result.path, seed=5)
     backend = tome_backend(config.replace(seed=5), compiler="eager")
-    compiled = torch.compile(copy.deepcopy(sd15), backend=backend, fullgraph=True)
-    inputs = tiny_inputs(sd15)
+    compiled = torch.compile(copy.deepcopy(unet), backend=backend, fullgraph=True)
+    inputs = tiny_inputs(unet)
     for t in (999, 900, 800):  # step 1: ToMe fallback; steps 2-3: the previous step's map
         inputs.timestep = torch.tensor(t)
         got = session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample

@@ -18,12 +18,6 @@ SD15_SELF = [
 ]
 
 
-@pytest.fixture(scope="module")
-def sd15():
-    unet = tiny_unet("sd15")
-    return unet, tiny_inputs(unet)
-
-
 def run_graph(gm, inputs, *extra):
     args = gm.graph_args if hasattr(gm, "graph_args") else inputs.args()
     with torch.no_grad():

@@ -151,8 +151,7 @@ class ToMeBackend:
 
     def importance_state(self, model: torch.nn.Module) -> ImportanceState | None:
         """The importance state of ``model`` (the module given to ``torch.compile``), if it ran."""
-        param = next(model.parameters(), None)
-        return self._states.get(param) if param is not None else None
+        return next((self._states[p] for p in model.parameters() if p in self._states), None)
 
     def reset(self, seed: int | None = None) -> None:
         """Start a new generation: forget every importance map and restart the random sequence
