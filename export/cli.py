@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -55,6 +57,17 @@ class _UsageError(ToMeError):
     pass
 
 
+MAX_BATCH = 64
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived: unwind (the export's temp folder is removed on the way out)."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
@@ -62,11 +75,20 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("torch.onnx").setLevel(logging.ERROR)
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         return _run(args)
     except ToMeError as e:
         print(f"tome-export: error: {e}", file=sys.stderr)
         return 2
+    except (_Terminated, KeyboardInterrupt) as e:
+        name = "SIGTERM" if isinstance(e, _Terminated) else "interrupted"
+        print(f"tome-export: {name}: stopped; nothing was written", file=sys.stderr)
+        return 143 if isinstance(e, _Terminated) else 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -79,8 +101,11 @@ def _run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value <= 0 or value % 8:
             raise _UsageError(f"--{name} {value} must be a positive multiple of 8")
-    if args.batch < 1:
-        raise _UsageError(f"--batch {args.batch} must be >= 1")
+    if not 1 <= args.batch <= MAX_BATCH:
+        raise _UsageError(f"--batch {args.batch} is outside [1, {MAX_BATCH}]: the batch is fixed per export; use "
+                          "the batch your pipeline calls the U-Net with (2 = one image with guidance)")
+    if args.seq_len < 1:
+        raise _UsageError(f"--seq-len {args.seq_len} must be >= 1 (text tokens; 77 for CLIP)")
     config = ToMeConfig(ratio=args.ratio, max_downsample=args.max_downsample, sx=args.sx, sy=args.sy,
                         use_rand=not args.no_rand, merge_crossattn=args.merge_crossattn,
                         merge_mlp=args.merge_mlp, method=args.method, seed=0)

@@ -13,6 +13,7 @@ config) is stored in the model's ``metadata_props["tome_compile"]``.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ from tome_compile.inputs import draw_tome_inputs
 from tome_compile.models import example_inputs, unet_input_names
 from tome_compile.sampler import PartitionSampler
 
-__all__ = ["METADATA_KEY", "ExportResult", "check_output_path", "export_onnx"]
+__all__ = ["METADATA_KEY", "ExportResult", "check_output_path", "export_onnx", "sweep_stale_partials"]
 
 logger = logging.getLogger("tome_compile.export")
 
@@ -75,6 +76,47 @@ def check_output_path(out: str | Path, force: bool) -> Path:
         if existing.exists() and not force:
             raise ToMeExportError(f"{str(existing)!r} exists; pass --force (force=True) to overwrite it")
     return out
+
+
+def _partial_prefix(out: Path) -> str:
+    return f".{out.name}.partial-"
+
+
+def sweep_stale_partials(out: Path) -> list[Path]:
+    """Remove temp folders of earlier exports to ``out`` whose process is gone (killed for memory,
+    SIGKILL): ``.OUT.partial-PID-*``. Folders of a live export are left alone. Returns the removed."""
+    parent = out.parent if str(out.parent) else Path(".")
+    removed = []
+    for folder in parent.glob(_partial_prefix(out) + "*"):
+        pid_text = folder.name[len(_partial_prefix(out)):].split("-", 1)[0]
+        if pid_text.isdigit() and _alive(int(pid_text)):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+        logger.info("removed %s, left by an export that did not finish", folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_error(error: BaseException, folder: Path) -> ToMeExportError:
+    """One line for a failed write: the disk-full case named as such."""
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+        return ToMeExportError(f"no space left in {str(folder)!r}: free some space there or write the "
+                               "export elsewhere (an fp32 SD 1.5 U-Net takes 3.4 GB)")
+    what = cause.strerror if isinstance(cause, OSError) and cause.strerror else f"{type(error).__name__}: {error}"
+    return ToMeExportError(f"cannot write to {str(folder)!r}: {str(what).splitlines()[0][:200]}")
 
 
 def _plain_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
@@ -181,10 +223,11 @@ def export_onnx(
     }
 
     parent = out.parent if str(out.parent) else Path(".")
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
+    sweep_stale_partials(out)
+    try:  # the pid in the name tells a later export whether this folder's writer is still alive
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_partial_prefix(out)}{os.getpid()}-", dir=parent))
     except OSError as e:
-        raise ToMeExportError(f"cannot write to {str(parent)!r}: {e.strerror}") from e
+        raise _write_error(e, parent) from e
     try:
         step(f"converting to ONNX (opset {opset})")
         start = time.perf_counter()
@@ -200,7 +243,10 @@ def export_onnx(
                                   f"{str(cause).splitlines()[0][:300]}") from e
         program.model.metadata_props[METADATA_KEY] = json.dumps(meta, default=str)
         tmp_model = tmp / out.name
-        program.save(str(tmp_model), external_data=True)
+        try:
+            program.save(str(tmp_model), external_data=True)
+        except Exception as e:
+            raise _write_error(e, parent) from e
         times["convert"] = time.perf_counter() - start
 
         step("checking the op inventory")

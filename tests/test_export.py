@@ -215,3 +215,116 @@ def test_importance_export_matches_compiled_path(tmp_path, unet):
         assert (got - call(compiled, inputs)).abs().max() < 1e-4
         assert torch.allclose(session.importance.map, backend.importance.map, atol=1e-5)
     assert session.importance.calls == 3
+
+
+# Issue #9 items 7-9: a foreign model folder, bad sizes, disk full, SIGTERM, stale temp folders.
+def one_error_line(err):
+    """One line of error (the progress bar shares stderr), no traceback."""
+    return err.count("tome-export: error:") == 1 and "Traceback" not in err and err.count("Error") == 0
+
+
+def _base(folder):
+    return ["--model", str(folder), "--height", str(HW), "--width", str(HW), "--seq-len", "7"]
+
+
+def test_cli_rejects_a_vae_folder(tmp_path, capsys):
+    from diffusers import AutoencoderKL
+
+    vae = tmp_path / "vae"
+    AutoencoderKL(block_out_channels=(8,), down_block_types=("DownEncoderBlock2D",),
+                  up_block_types=("UpDecoderBlock2D",), norm_num_groups=8).save_pretrained(vae)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main([str(out / "x.onnx")] + _base(vae)) == 2
+    err = capsys.readouterr().err
+    assert "holds a AutoencoderKL, not a UNet2DConditionModel" in err and one_error_line(err)
+    assert list(out.iterdir()) == []
+
+
+def test_cli_rejects_an_empty_config(tmp_path, capsys):
+    folder = tmp_path / "empty_config"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    assert main([str(tmp_path / "x.onnx")] + _base(folder)) == 2
+    err = capsys.readouterr().err
+    assert "is not a diffusers U-Net config" in err and one_error_line(err)
+
+
+def test_cli_names_missing_weight_keys(tmp_path, unet, capsys):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "partial"
+    unet.save_pretrained(folder)
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(weights)
+    tensors.pop("conv_in.weight")
+    save_file(tensors, weights)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main([str(out / "x.onnx")] + _base(folder)) == 2
+    err = capsys.readouterr().err
+    assert "lack 1 of the U-Net's tensors (conv_in.weight)" in err and "nan" not in err
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--seq-len", "0"], "--seq-len 0 must be >= 1"),
+    (["--batch", "100000"], "--batch 100000 is outside [1, 64]"),
+])
+def test_cli_rejects_sizes_before_any_work(tmp_path, sd15_folder, capsys, argv, words):
+    assert main([str(tmp_path / "x.onnx")] + _base(sd15_folder) + argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_full_is_one_line(tmp_path, sd15_folder, capsys, monkeypatch):
+    import errno
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch.onnx.ONNXProgram, "save", full)
+    assert main([str(tmp_path / "x.onnx")] + _base(sd15_folder)) == 2
+    err = capsys.readouterr().err
+    assert f"no space left in {str(tmp_path)!r}" in err and one_error_line(err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stale_partial_folders_are_swept(tmp_path, sd15_folder, capsys):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    stale = tmp_path / f".x.onnx.partial-{dead.stdout.strip()}-abc"
+    stale.mkdir()
+    (stale / "x.onnx.data").write_bytes(b"0" * 1024)
+    import os
+
+    live = tmp_path / f".x.onnx.partial-{os.getpid()}-def"  # a running export's folder: kept
+    live.mkdir()
+    other = tmp_path / ".y.onnx.partial-1-ghi"  # another output's: not ours to judge
+    other.mkdir()
+    assert main([str(tmp_path / "x.onnx"), "--no-rand"] + _base(sd15_folder)) == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted([live.name, other.name, "x.onnx", "x.onnx.data"])
+
+
+def test_sigterm_cleans_up(tmp_path, sd15_folder):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "x.onnx"
+    proc = subprocess.Popen([sys.executable, "-m", "tome_compile.export.cli", str(out)] + _base(sd15_folder),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not list(tmp_path.glob(".x.onnx.partial-*")):  # wait for the export to start writing
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "SIGTERM" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []

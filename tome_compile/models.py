@@ -66,13 +66,38 @@ def load_unet(spec: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[
     if not (folder / "config.json").is_file():
         raise ToMeModelError(f"{str(path)!r} has no config.json (nor unet/config.json); it is not a "
                              "diffusers U-Net or pipeline folder")
+    _check_unet_config(folder)
     from diffusers import UNet2DConditionModel
 
     try:
-        unet = UNet2DConditionModel.from_pretrained(folder, local_files_only=True, torch_dtype=dtype)
+        unet, info = UNet2DConditionModel.from_pretrained(folder, local_files_only=True, torch_dtype=dtype,
+                                                          output_loading_info=True)
     except Exception as e:
-        raise ToMeModelError(f"could not load a U-Net from {str(folder)!r}: {e}") from e
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise ToMeModelError(f"could not load a U-Net from {str(folder)!r}: {first}") from e
+    missing = list(info.get("missing_keys", []))
+    if missing:
+        raise ToMeModelError(f"{str(folder)!r}: the weights lack {len(missing)} of the U-Net's tensors "
+                             f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); the weight "
+                             "file does not belong to this config.json, or is incomplete")
     return unet.eval(), f"local U-Net {folder}"
+
+
+def _check_unet_config(folder: Path) -> None:
+    """A diffusers ``UNet2DConditionModel`` config, or one clear line saying what it is instead."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ToMeModelError(f"{str(folder / 'config.json')!r} is not readable JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ToMeModelError(f"{str(folder / 'config.json')!r} is not a JSON object")
+    kind = config.get("_class_name")
+    if kind is None and "down_block_types" not in config:
+        raise ToMeModelError(f"{str(folder / 'config.json')!r} is not a diffusers U-Net config (no _class_name, "
+                             "no down_block_types); give a UNet2DConditionModel folder or a pipeline folder")
+    if kind is not None and kind != "UNet2DConditionModel":
+        raise ToMeModelError(f"{str(folder)!r} holds a {kind}, not a UNet2DConditionModel; give the U-Net "
+                             "folder (PIPELINE/unet) or the pipeline folder")
 
 
 @dataclass
