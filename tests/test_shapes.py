@@ -252,7 +252,8 @@ def test_demo_with_a_local_diffusers_pipeline(tmp_path, capsys):
     assert "n/a" in printed
     from PIL import Image
 
-    assert Image.open(out).size == (16 * 2 * 4, 16 * 3 * 4)  # 2 pictures per row, 3 rows, 16x16 shown 4x
+    width, height = Image.open(out).size  # 2 pictures per row, 3 rows, 16x16 shown 4x, plus labels
+    assert width > 16 * 2 * 4 and height > 16 * 3 * 4
 
 
 def test_demo_with_a_unet_folder(tmp_path, capsys):
@@ -273,3 +274,41 @@ def test_demo_with_a_unet_folder(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model_index.json" in err and "in_channels" in err
     assert not (tmp_path / "x.png").exists() and not (tmp_path / "x.json").exists()
+
+
+def test_grid_labels_are_drawn():
+    import numpy as np
+
+    from tome_compile.shapes.grid import bare_grid, labelled_grid
+
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.rand(3, 3, 8, 8, generator=g) for _ in range(2)]
+    bare = np.asarray(bare_grid(rows, scale=4))
+    columns = [["red circle", "seed 0"], ["blue ring", "seed 0"], ["cyan cross", "seed 1"]]
+    labelled = np.asarray(labelled_grid([(["plain"], rows[0]), (["tome 0.5", "1.14x speed"], rows[1])], columns,
+                                        scale=4))
+    left, top = labelled.shape[1] - bare.shape[1], labelled.shape[0] - bare.shape[0]
+    assert left > 40 and top > 20  # room for the row labels and the two-line column headers
+    assert np.array_equal(labelled[top:, left:], bare)  # the pictures themselves are untouched
+    assert (labelled[top:, :left] < 128).any() and (labelled[:top, left:] < 128).any()  # ink: text drawn
+    other = np.asarray(labelled_grid([(["plain"], rows[0]), (["importance 0.5", "0.90x speed"], rows[1])],
+                                     columns, scale=4))
+    assert not np.array_equal(other[top:, :left], labelled[top:, :left])  # it is the label text that shows
+
+
+def test_demo_out_folder_and_file(tmp_path, capsys):
+    from PIL import Image
+
+    from tome_compile.shapes.demo import main
+
+    save_model(build_model(seed=3), tmp_path / "m")
+    base = ["--model", str(tmp_path / "m"), "--steps", "1", "--seeds", "1", "--prompts", "red circle",
+            "--compiler", "eager"]
+    assert main(base + ["--out", str(tmp_path / "results") + "/"]) == 0  # a new folder
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["tome_demo.json", "tome_demo.png"]
+    (tmp_path / "existing").mkdir()
+    assert main(base + ["--out", str(tmp_path / "existing")]) == 0  # an existing folder, no separator
+    assert (tmp_path / "existing" / "tome_demo.png").is_file()
+    assert main(base + ["--out", str(tmp_path / "pic.png")]) == 0
+    assert (tmp_path / "pic.png").is_file() and (tmp_path / "pic.json").is_file()
+    assert Image.open(tmp_path / "pic.png").size[0] > 32 * 4  # one 32x32 picture shown 4x, plus labels

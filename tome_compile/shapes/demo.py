@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from tome_compile.errors import ToMeError, ToMeModelError
+from tome_compile.shapes.grid import labelled_grid
 from tome_compile.shapes.sample import DEFAULT_GUIDANCE, DEFAULT_STEPS, compile_unet, write_atomically
 
 __all__ = ["main"]
@@ -123,8 +125,35 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _output_path(text: str) -> Path:
+    """``--out``: a picture path, or a folder (existing, or ending in a separator) that gets
+    ``tome_demo.png``; the JSON goes beside the picture."""
+    from PIL import Image
+
+    out = Path(text)
+    if out.is_dir() or text.endswith(("/", os.sep)):
+        out.mkdir(parents=True, exist_ok=True)
+        return out / "tome_demo.png"
+    if out.suffix.lower() not in Image.registered_extensions():
+        raise ValueError(f"--out {text!r} is neither a folder nor a picture path; give a folder (results/) "
+                         "or a file with a picture suffix such as .png")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out {text!r}: folder {str(out.parent)!r} does not exist; create it first")
+    return out
+
+
+def _row_label(row: dict[str, Any]) -> list[str]:
+    """The row's method and the table's key figures, drawn beside the row."""
+    lines = [row["method"], f"{row['speedup']:.2f}x speed" if row["psnr_db"] is not None
+             else f"{row['seconds_per_image']:.3f} s/image"]
+    if row["psnr_db"] is not None:
+        lines.append(f"{row['psnr_db']:.1f} dB PSNR")
+    if row["probe_accuracy"] is not None:
+        lines.append(f"probe {row['probe_accuracy']:.0%}")
+    return lines
+
+
 def _run(args: argparse.Namespace) -> int:
-    import numpy as np
     from PIL import Image
     from tqdm import tqdm
 
@@ -134,11 +163,7 @@ def _run(args: argparse.Namespace) -> int:
     from tome_compile.shapes.probe import load_probe
 
     ToMeConfig(ratio=args.ratio, method="importance")  # validates the ratio for both methods
-    out = Path(args.out)
-    if out.suffix.lower() not in Image.registered_extensions():
-        raise ValueError(f"--out {args.out!r} needs a picture suffix such as .png")
-    if not out.parent.is_dir():
-        raise ValueError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist; create it first")
+    out = _output_path(args.out)
     if (args.steps is not None and args.steps < 1) or args.seeds < 1:
         raise ValueError(f"--steps {args.steps} and --seeds {args.seeds} must both be >= 1")
     target = load_target(args.model, args.size)
@@ -157,10 +182,13 @@ def _run(args: argparse.Namespace) -> int:
     }
     images: dict[str, torch.Tensor] = {}
     seconds: dict[str, float] = {}
+    warmup: dict[str, float] = {}  # compile (cold or from the cache) + 2 steps
     with tqdm(total=2 * len(methods), desc="tome-demo", unit="run", file=sys.stderr) as bar:
         for name, compiled in methods.items():
             bar.set_postfix_str(f"{name}: compile + warm-up")
+            start = time.perf_counter()
             target.sample(compiled, prompts, seeds, min(2, args.steps), args.guidance)  # same shapes: no recompile
+            warmup[name] = time.perf_counter() - start
             bar.update(1)
             bar.set_postfix_str(f"{name}: {len(prompts)} pictures")
             start = time.perf_counter()
@@ -177,12 +205,11 @@ def _run(args: argparse.Namespace) -> int:
             "ssim": None if name == "plain" else float(ssim(imgs, plain).mean()),
             "probe_accuracy": None if probe is None else
             sum(p == q for p, q in zip(probe.predict(imgs), prompts)) / len(prompts),
+            "compile_and_warmup_s": warmup[name],
         })
-    grid = np.concatenate([np.concatenate(list((images[n].permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)),
-                                          1) for n in images], 0)
-    picture = Image.fromarray(grid)
-    if plain.shape[-1] <= 64:  # 32x32 pictures are easier to see 4x larger
-        picture = picture.resize((grid.shape[1] * 4, grid.shape[0] * 4), Image.NEAREST)
+    picture = labelled_grid([(_row_label(r), images[r["method"]]) for r in rows],
+                            [[p, f"seed {s}"] for p, s in zip(prompts, seeds)],
+                            scale=4 if plain.shape[-1] <= 64 else 1)  # 32x32 pictures: 4x larger
     write_atomically(out, lambda path: picture.save(path, format=Image.registered_extensions()[out.suffix.lower()]))
     meta = {"model": target.name, "prompts": prompts, "seeds": seeds, "steps": args.steps,
             "guidance": args.guidance, "compiler": args.compiler, "rows": list(images), "results": rows}
@@ -196,6 +223,8 @@ def _run(args: argparse.Namespace) -> int:
         accuracy = "n/a" if r["probe_accuracy"] is None else f"{r['probe_accuracy']:.0%}"
         print(f"| {r['method']} | {r['seconds_per_image']:.3f} | {r['speedup']:.2f}x | {fid[0]} | {fid[1]} | "
               f"{accuracy} |")
+    print(f"compile + 2 warm-up steps ({args.compiler}): "
+          + ", ".join(f"{r['method']} {r['compile_and_warmup_s']:.1f} s" for r in rows))
     print(f"wrote {out} (rows: {', '.join(images)}) and {out.with_suffix('.json')}")
     return 0
 
