@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tome_compile.passes import sites as _sites
 from torch import fx
 
 from tome_compile import merge as _merge
 from tome_compile.config import ToMeConfig
-from tome_compile.passes import sites as _sites
 
 __all__ = ["BlockPlan", "Skip", "Target", "decide_site"]
 

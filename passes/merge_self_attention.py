@@ -21,15 +21,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from tome_compile.passes import sites as _sites
+from tome_compile.passes.decide import BlockPlan, Skip, decide_site
+from tome_compile.passes.rewrite import BlockInputs, rewrite_block
 from torch import fx
 
 from tome_compile import merge as _merge
 from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeRewriteError
 from tome_compile.inputs import ToMeInputSpec
-from tome_compile.passes import sites as _sites
-from tome_compile.passes.decide import BlockPlan, Skip, decide_site
-from tome_compile.passes.rewrite import BlockInputs, rewrite_block
 
 __all__ = [
     "DST_KEY_INPUT",

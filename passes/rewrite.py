@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tome_compile.passes import sites as _sites
+from tome_compile.passes.decide import BlockPlan, Target
 from torch import fx
 
 from tome_compile import merge as _merge
 from tome_compile.config import ToMeConfig
-from tome_compile.passes import sites as _sites
-from tome_compile.passes.decide import BlockPlan, Target
 
 __all__ = ["BlockInputs", "rewrite_block"]
 

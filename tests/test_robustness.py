@@ -10,10 +10,10 @@ import warnings
 import pytest
 import torch
 from conftest import CountingCompiler, call, tiny_inputs, tiny_unet, tomesd_reference
+from tome_compile.passes import find_unet_io
 
 from tome_compile import ToMeConfig, ToMeWarning, merge_self_attention, tome_backend
 from tome_compile.importance import importance_map
-from tome_compile.passes import find_unet_io
 
 
 def run_steps(model, unet_inputs, timesteps, as_tensor):
@@ -81,8 +81,9 @@ def test_fused_qkv_projections_are_merged(use_rand):
 def test_unrecognised_attention_is_warned_about(sd15):
     # negative: an attention whose q is not a projection cannot be merged; the warning says so.
     from conftest import dynamo_graph
-    from tome_compile.backend import warn_if_nothing_rewritten
     from tome_compile.passes import find_attention_sites
+
+    from tome_compile.backend import warn_if_nothing_rewritten
 
     unet, inputs = sd15
     gm = dynamo_graph(unet, inputs)
@@ -136,7 +137,7 @@ def test_python_int_timesteps_do_not_recompile_per_step(sd15, method):
 
 # 5. dynamic=True: works, specialised per concrete shape.
 def test_dynamic_true(sd15):
-    unet, inputs = sd15
+    unet = sd15[0]
     counter = CountingCompiler()
     backend = tome_backend(0.5, compiler=counter, use_rand=False)
     model = torch.compile(copy.deepcopy(unet), backend=backend, dynamic=True)
