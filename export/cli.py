@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-rand", action="store_true", help="fixed destinations: no tome_partition input")
     p.add_argument("--merge-crossattn", action="store_true")
     p.add_argument("--merge-mlp", action="store_true")
+    p.add_argument("--share-plan", action="store_true",
+                   help="one plan per resolution level per call (reused by the level's other blocks)")
     p.add_argument("--method", default="tome", choices=["tome", "importance"])
     p.add_argument("--opset", type=int, default=20, help="ONNX opset (default 20; 23 has no CUDA group norm)")
     p.add_argument("--fp16", action="store_true", help="export in float16 (parity is checked on CUDA only)")
@@ -108,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
         raise _UsageError(f"--seq-len {args.seq_len} must be >= 1 (text tokens; 77 for CLIP)")
     config = ToMeConfig(ratio=args.ratio, max_downsample=args.max_downsample, sx=args.sx, sy=args.sy,
                         use_rand=not args.no_rand, merge_crossattn=args.merge_crossattn,
-                        merge_mlp=args.merge_mlp, method=args.method, seed=0)
+                        merge_mlp=args.merge_mlp, method=args.method, seed=0, share_plan=args.share_plan)
     out = check_output_path(args.out, args.force)
     if args.model not in ARCHITECTURES and not Path(args.model).exists():
         raise _UsageError(f"--model {args.model!r}: no such folder, and not one of {ARCHITECTURES}")

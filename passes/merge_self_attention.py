@@ -145,10 +145,12 @@ def _rewrite_all(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig,
                  latent: tuple[int, int] | None, batch: int | None) -> list[ToMeInputSpec]:
     """Append the inputs the plans read, rewrite every block, lint; returns the input specs."""
     graph, specs = gm.graph, []
-    cells = [(p.grid[0] // config.sy, p.grid[1] // config.sx) for p in plans]
+    makers = _plan_makers(plans, config)
+    cells = [(p.grid[0] // config.sy, p.grid[1] // config.sx) if makers[i] == i else (0, 0)
+             for i, p in enumerate(plans)]
     importance = mode.method == "importance"
     pools = [_merge.importance_pool_size(p.tokens, p.merged, config.pool_factor, config.dst_fraction)
-             for p in plans] if importance else [0] * len(plans)
+             if importance and makers[i] == i else 0 for i, p in enumerate(plans)]
     nodes: dict[str, fx.Node] = {}
 
     def add(spec: ToMeInputSpec) -> None:
@@ -163,18 +165,28 @@ def _rewrite_all(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig,
         if mode.use_rand:
             add(ToMeInputSpec(DST_KEY_INPUT, (batch // 2, sum(pools)), torch.float32, "dst_key"))
     if mode.use_rand and (not importance or mode.in_graph_fallback):
-        add(ToMeInputSpec(PARTITION_INPUT, (sum(a * b for a, b in cells),), torch.int64, "partition",
-                          cells=tuple(cells), choices=config.sx * config.sy))
+        drawn = tuple(c for i, c in enumerate(cells) if makers[i] == i)
+        add(ToMeInputSpec(PARTITION_INPUT, (sum(a * b for a, b in drawn),), torch.int64, "partition",
+                          cells=drawn, choices=config.sx * config.sy))
     cell_offset = key_offset = 0
-    for plan, (ch, cw), pool in zip(plans, cells, pools):
+    made: dict[int, tuple[fx.Node, fx.Node] | None] = {}
+    for i, (plan, (ch, cw), pool) in enumerate(zip(plans, cells, pools)):
         io = BlockInputs(method=mode.method, partition=nodes.get("partition"), cell_offset=cell_offset,
                          importance=nodes.get("importance"), has_map=nodes.get("has_map"),
                          dst_key=nodes.get("dst_key"), key_offset=key_offset, pool=pool)
-        rewrite_block(graph, plan, config, io)
+        made[i] = rewrite_block(graph, plan, config, io, shared=made.get(makers[i]) if makers[i] != i else None)
         cell_offset, key_offset = cell_offset + ch * cw, key_offset + pool
     graph.lint()
     gm.recompile()
     return specs
+
+
+def _plan_makers(plans: list[BlockPlan], config: ToMeConfig) -> list[int]:
+    """For each block, the index of the block whose plan it uses: itself, or with ``share_plan``
+    the first block with the same token grid and merge count (one plan per resolution level)."""
+    first: dict[tuple[int, tuple[int, int], int], int] = {}
+    return [first.setdefault((p.tokens, p.grid, p.merged), i) if config.share_plan else i
+            for i, p in enumerate(plans)]
 
 
 @contextmanager
@@ -275,13 +287,16 @@ def _report(found: list[_sites.AttentionSite], decisions: list[BlockPlan | Skip]
             failures: dict[str, str], config: ToMeConfig, mode: _Mode) -> list[ToMeSite]:
     """One row per attention site, in graph order."""
     by_path = {p.site.path: p for p in kept}
+    makers = _plan_makers(kept, config)
+    sharing = {p.site.path: kept[m].site.path for p, m in zip(kept, makers) if kept[m] is not p}
     merged_with = {t.path: p for p in kept for t in p.targets if t.path != p.site.path}
     rows = []
     for site, decision in zip(found, decisions):
         plan, partner = by_path.get(site.path), merged_with.get(site.path)
         if plan is not None:
+            maker = sharing.get(site.path)
             reason = (f"downsample {plan.downsample} <= max_downsample={config.max_downsample}, "
-                      f"r={plan.merged}{mode.note}")
+                      f"r={plan.merged}{mode.note}" + (f"; plan shared from {maker}" if maker else ""))
             rows.append(ToMeSite(site.path, site.kind, plan.tokens, plan.tokens - plan.merged, plan.grid,
                                  plan.downsample, True, reason, tuple(t.name for t in plan.targets)))
         elif partner is not None:

@@ -115,11 +115,16 @@ def _merge_target(graph: fx.Graph, plan: BlockPlan, target: Target, after: fx.No
             user.replace_input_with(target.output, un)
 
 
-def rewrite_block(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: BlockInputs) -> None:
-    """Insert the block's plan, then merge/unmerge around every target region."""
+def rewrite_block(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: BlockInputs,
+                  shared: tuple[fx.Node, fx.Node] | None = None) -> tuple[fx.Node, fx.Node] | None:
+    """Insert the block's plan (or reuse ``shared``, the ``(slot, weight)`` of an earlier block
+    with the same token grid), then merge/unmerge around every target region. Returns the
+    ``(slot, weight)`` used (None for the oracle)."""
     slot = weight = None
     last: fx.Node = plan.site.input
-    if io.method != "oracle":
+    if shared is not None:
+        slot, weight = shared
+    elif io.method != "oracle":
         # inserting_before(next) keeps creation order (inserting_after(n) would reverse it)
         with graph.inserting_before(plan.site.input.next):
             node = _plan(graph, plan, config, io)
@@ -129,3 +134,4 @@ def rewrite_block(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: Bloc
     for target in plan.targets:
         _merge_target(graph, plan, target, last if target.input is plan.site.input else target.input,
                       slot, weight)
+    return (slot, weight) if slot is not None and weight is not None else None

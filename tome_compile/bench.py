@@ -42,7 +42,7 @@ from tome_compile.models import example_inputs, load_unet
 
 __all__ = ["main", "run_benchmark"]
 
-VARIANTS = ("eager", "tomesd", "inductor", "inductor+tome", "oracle")
+VARIANTS = ("eager", "tomesd", "inductor", "inductor+tome", "inductor+tome-shared", "oracle")
 logger = logging.getLogger("tome_compile.bench")
 
 
@@ -120,8 +120,9 @@ def _variants(unet: torch.nn.Module, names: list[str], config: ToMeConfig
             out[name] = patched
         elif name == "inductor":
             out[name] = torch.compile(unet, dynamic=False)
-        elif name in ("inductor+tome", "oracle"):
-            backends[name] = ToMeBackend(config, oracle=name == "oracle")
+        elif name in ("inductor+tome", "inductor+tome-shared", "oracle"):
+            variant = config.replace(share_plan=True) if name == "inductor+tome-shared" else config
+            backends[name] = ToMeBackend(variant, oracle=name == "oracle")
             out[name] = torch.compile(unet, backend=backends[name], dynamic=False)
         else:
             raise ToMeError(f"unknown variant {name!r}; choose from {VARIANTS}")

@@ -38,6 +38,9 @@ class ToMeConfig:
             tokens.
         dst_fraction: importance only: ``int(N * dst_fraction)`` destinations are drawn from
             the pool.
+        share_plan: one plan per resolution level per U-Net call: made at the first rewritten
+            block of a token count (its metric), reused by the other blocks with that count.
+            Off by default (tomesd makes a plan per block); saves the matching of the others.
     """
 
     ratio: float = 0.5
@@ -52,6 +55,7 @@ class ToMeConfig:
     method: Literal["tome", "importance"] = "tome"
     pool_factor: float = 1.4
     dst_fraction: float = 0.25
+    share_plan: bool = False
 
     def __post_init__(self) -> None:
         for reason in self.problems():
@@ -64,7 +68,7 @@ class ToMeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 out.append(f"{name}={value!r} must be an int")
-        for name in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp"):
+        for name in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp", "share_plan"):
             if not isinstance(getattr(self, name), bool):
                 out.append(f"{name}={getattr(self, name)!r} must be True or False")
         if out:
