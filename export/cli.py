@@ -104,8 +104,8 @@ def _run(args: argparse.Namespace) -> int:
         if value <= 0 or value % 8:
             raise _UsageError(f"--{name} {value} must be a positive multiple of 8")
     if not 1 <= args.batch <= MAX_BATCH:
-        raise _UsageError(f"--batch {args.batch} is outside [1, {MAX_BATCH}]: the batch is fixed per export; use "
-                          "the batch your pipeline calls the U-Net with (2 = one image with guidance)")
+        raise _UsageError(f"--batch {args.batch} is outside [1, {MAX_BATCH}]: the batch is fixed per export; "
+                          "use the batch your pipeline calls the U-Net with (2 = one image with guidance)")
     if args.seq_len < 1:
         raise _UsageError(f"--seq-len {args.seq_len} must be >= 1 (text tokens; 77 for CLIP)")
     config = ToMeConfig(ratio=args.ratio, max_downsample=args.max_downsample, sx=args.sx, sy=args.sy,

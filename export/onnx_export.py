@@ -115,7 +115,8 @@ def _write_error(error: BaseException, folder: Path) -> ToMeExportError:
     if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
         return ToMeExportError(f"no space left in {str(folder)!r}: free some space there or write the "
                                "export elsewhere (an fp32 SD 1.5 U-Net takes 3.4 GB)")
-    what = cause.strerror if isinstance(cause, OSError) and cause.strerror else f"{type(error).__name__}: {error}"
+    what = (cause.strerror if isinstance(cause, OSError) and cause.strerror
+            else f"{type(error).__name__}: {error}")
     return ToMeExportError(f"cannot write to {str(folder)!r}: {str(what).splitlines()[0][:200]}")
 
 
@@ -253,7 +254,8 @@ def export_onnx(
         inventory = check_op_inventory(tmp_model, require_cuda=require_cuda_kernels)
         if not inventory.ok:
             raise ToMeExportError("op inventory check failed: " + "; ".join(inventory.problems))
-        export = ExportResult(out, [], result, input_names, opset, inventory, seconds=times)
+        export = ExportResult(path=out, files=[], report=result, input_names=input_names, opset=opset,
+                              inventory=inventory, seconds=times)
 
         if check_parity:
             step("checking parity: ONNX Runtime vs PyTorch (same inputs and partition)")

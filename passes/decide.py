@@ -112,7 +112,8 @@ def _targets(site: _sites.AttentionSite, found: list[_sites.AttentionSite], grap
                   if a not in inside and _sites.node_shape(a) == _sites.node_shape(site.input)}
         if len(exits) != 1 or len(inputs) != 1:
             return f"{block}.ff: region has {len(inputs)} inputs / {len(exits)} outputs"
-        out.append(Target(input=inputs.pop(), output=exits[0], region=tuple(ff), path=block + ".ff", name="ff"))
+        out.append(Target(input=inputs.pop(), output=exits[0], region=tuple(ff), path=block + ".ff",
+                          name="ff"))
     return out
 
 

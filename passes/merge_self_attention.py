@@ -129,8 +129,9 @@ def _choose_mode(config: ToMeConfig, method: str | None, oracle: bool, in_graph_
         # tomesd: an odd batch cannot hold CFG pairs, so random partitions would differ between
         # the cond and uncond calls; it falls back to fixed destinations.
         use_rand, note = False, note + f"; batch {batch} is odd: fixed destinations (as tomesd)"
-    return _Mode(method=method, use_rand=use_rand, in_graph_fallback=in_graph_fallback and method == "importance",
-                 note=note + ("; oracle" if method == "oracle" else "; importance" if method == "importance" else ""))
+    tag = {"oracle": "; oracle", "importance": "; importance"}.get(method, "")
+    return _Mode(method=method, use_rand=use_rand,
+                 in_graph_fallback=in_graph_fallback and method == "importance", note=note + tag)
 
 
 def _add_input(graph: fx.Graph, spec: ToMeInputSpec) -> fx.Node:
@@ -174,7 +175,8 @@ def _rewrite_all(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig,
         io = BlockInputs(method=mode.method, partition=nodes.get("partition"), cell_offset=cell_offset,
                          importance=nodes.get("importance"), has_map=nodes.get("has_map"),
                          dst_key=nodes.get("dst_key"), key_offset=key_offset, pool=pool)
-        made[i] = rewrite_block(graph, plan, config, io, shared=made.get(makers[i]) if makers[i] != i else None)
+        shared = made.get(makers[i]) if makers[i] != i else None
+        made[i] = rewrite_block(graph, plan, config, io, shared=shared)
         cell_offset, key_offset = cell_offset + ch * cw, key_offset + pool
     graph.lint()
     gm.recompile()
@@ -293,25 +295,27 @@ def _report(found: list[_sites.AttentionSite], decisions: list[BlockPlan | Skip]
     rows = []
     for site, decision in zip(found, decisions):
         plan, partner = by_path.get(site.path), merged_with.get(site.path)
+        row = {"path": site.path, "kind": site.kind, "tokens": site.tokens}
         if plan is not None:
             maker = sharing.get(site.path)
             reason = (f"downsample {plan.downsample} <= max_downsample={config.max_downsample}, "
                       f"r={plan.merged}{mode.note}" + (f"; plan shared from {maker}" if maker else ""))
-            rows.append(ToMeSite(site.path, site.kind, plan.tokens, plan.tokens - plan.merged, plan.grid,
-                                 plan.downsample, True, reason, tuple(t.name for t in plan.targets)))
+            rows.append(ToMeSite(**row, tokens_after=plan.tokens - plan.merged, grid=plan.grid,
+                                 downsample=plan.downsample, rewritten=True, reason=reason,
+                                 targets=tuple(t.name for t in plan.targets)))
         elif partner is not None:
-            rows.append(ToMeSite(site.path, site.kind, site.tokens, partner.tokens - partner.merged,
-                                 partner.grid, partner.downsample, True,
-                                 f"merged with the plan of {partner.site.path} (merge_crossattn)"))
+            rows.append(ToMeSite(**row, tokens_after=partner.tokens - partner.merged, grid=partner.grid,
+                                 downsample=partner.downsample, rewritten=True,
+                                 reason=f"merged with the plan of {partner.site.path} (merge_crossattn)"))
         elif site.path in failures:
-            rows.append(ToMeSite(site.path, site.kind, site.tokens, None, None, None, False,
-                                 f"rewrite failed the shape check ({failures[site.path]})"))
+            rows.append(ToMeSite(**row, tokens_after=None, grid=None, downsample=None, rewritten=False,
+                                 reason=f"rewrite failed the shape check ({failures[site.path]})"))
         else:
             skip = decision if isinstance(decision, Skip) else Skip("not rewritten")
             if not config.enabled and site.kind != "cross-attention":
                 skip = Skip(f"ratio={config.ratio}: nothing to merge", skip.grid, skip.downsample)
-            rows.append(ToMeSite(site.path, site.kind, site.tokens, None, skip.grid, skip.downsample, False,
-                                 skip.reason))
+            rows.append(ToMeSite(**row, tokens_after=None, grid=skip.grid, downsample=skip.downsample,
+                                 rewritten=False, reason=skip.reason))
     return rows
 
 
@@ -352,10 +356,12 @@ def merge_self_attention(
     batch = next((s[0] for p in plans if isinstance(s := _sites.node_shape(p.site.input), tuple)
                   and isinstance(s[0], int)), None)
     mode = _choose_mode(config, method, oracle, in_graph_fallback, batch)
-    kept, specs, failures = _apply(gm, plans, config, mode, latent, batch, validate) if plans else ([], [], {})
+    kept, specs, failures = (_apply(gm, plans, config, mode, latent, batch, validate) if plans
+                             else ([], [], {}))
     report = _report(found, decisions, kept, failures, config, mode)
     logger.info("ToMe: rewrote %d of %d attention sites", sum(r.rewritten for r in report), len(report))
     for row in report:
         logger.debug("ToMe site %s", row.line())
-    return ToMeResult(gm, bool(kept), report, specs, latent_hw=latent, batch=batch,
+    return ToMeResult(graph_module=gm, modified=bool(kept), sites=report, inputs=specs, latent_hw=latent,
+                      batch=batch,
                       method=mode.method if kept else (method or config.method))

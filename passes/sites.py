@@ -200,7 +200,8 @@ def find_attention_sites(gm: fx.GraphModule) -> list[AttentionSite]:
         path = module_path(node)
         if pq is None or pk is None or pv is None:
             problem = "q/k/v are not linear projections"
-            sites.append(AttentionSite(path, "unknown", form, node, node, None, problem=problem))
+            sites.append(AttentionSite(path=path, kind="unknown", form=form, anchor=node, input=node,
+                                       output=None, problem=problem))
             continue
         source = pq.args[0]
         kind = "self-attention" if pk.args[0] is source and pv.args[0] is source else "cross-attention"
@@ -208,8 +209,9 @@ def find_attention_sites(gm: fx.GraphModule) -> list[AttentionSite]:
         exits = region_exits(nodes)
         shape = node_shape(source)
         tokens = shape[1] if shape is not None and len(shape) == 3 else None
-        site = AttentionSite(path, kind, form, node, source, exits[0] if len(exits) == 1 else None,
-                             nodes, tokens if isinstance(tokens, int) else None)
+        site = AttentionSite(path=path, kind=kind, form=form, anchor=node, input=source,
+                             output=exits[0] if len(exits) == 1 else None, nodes=nodes,
+                             tokens=tokens if isinstance(tokens, int) else None)
         if not path:
             site.problem = "no nn_module_stack metadata to scope the region"
         elif len(exits) != 1:
@@ -297,7 +299,8 @@ def _timestep_source(gm: fx.GraphModule, sample: fx.Node | None) -> tuple[fx.Nod
     ancestors = _ancestors(embed)
     for node in ancestors:  # a tensor timestep: [] or [B]
         value = node.meta.get("example_value", node.meta.get("val"))
-        if node.op == "placeholder" and node is not sample and isinstance(value, torch.Tensor) and value.dim() <= 1:
+        tensor = isinstance(value, torch.Tensor) and value.dim() <= 1
+        if node.op == "placeholder" and node is not sample and tensor:
             return node, None
     for node in ancestors:  # a Python number: diffusers wraps it, torch.tensor([t])
         if _is_call(node, _TENSOR_CONSTANT_OPS) and node.args:
@@ -320,8 +323,11 @@ def find_unet_io(gm: fx.GraphModule) -> UNetIO:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     flat = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
     want = node_shape(placeholders[sample_index]) if placeholders else None
-    output_index = next((i for i, o in enumerate(flat) if want is not None and len(want) == 4
-                         and (node_shape(o) or ())[:1] == want[:1] and (node_shape(o) or ())[2:] == want[2:]), 0)
+    def like_sample(o: Any) -> bool:
+        got = node_shape(o) or ()
+        return want is not None and len(want) == 4 and got[:1] == want[:1] and got[2:] == want[2:]
+
+    output_index = next((i for i, o in enumerate(flat) if like_sample(o)), 0)
     return UNetIO(sample_index=sample_index,
                   timestep_index=placeholders.index(timestep) if timestep is not None else None,
                   timestep_constant=constant, output_index=output_index)
