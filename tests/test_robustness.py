@@ -135,6 +135,22 @@ def test_python_int_timesteps_do_not_recompile_per_step(sd15, method):
     assert len(backend.reports) == 2 * graphs and all(len(r.rewritten) == 3 for r in backend.reports)
 
 
+def test_python_int_timesteps_with_dynamic_false_are_called_out(sd15):
+    # Dynamo (not ToMe) recompiles per int value under dynamic=False and, after its recompile
+    # limit, silently runs the plain model: the backend sees the second baked value and says so.
+    unet, inputs = sd15
+    backend = tome_backend(0.5, compiler="eager", seed=0)
+    model = torch.compile(copy.deepcopy(unet), backend=backend, dynamic=False)
+    with pytest.warns(ToMeWarning, match=r"pass torch.tensor\(t\), or leave dynamic unset"):
+        run_steps(model, inputs, [999, 500], as_tensor=False)
+    with warnings.catch_warnings():  # tensor timesteps under dynamic=False: nothing to say
+        warnings.simplefilter("error", ToMeWarning)
+        torch._dynamo.reset()
+        quiet = torch.compile(copy.deepcopy(unet), backend=tome_backend(0.5, compiler="eager", seed=0),
+                              dynamic=False)
+        run_steps(quiet, inputs, [999, 500, 250], as_tensor=True)
+
+
 # 5. dynamic=True: works, specialised per concrete shape.
 def test_dynamic_true(sd15):
     unet = sd15[0]

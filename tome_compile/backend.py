@@ -140,6 +140,7 @@ class ToMeBackend:
         self._unkeyed = ImportanceState()
         self._last: ImportanceState | None = None
         self._said: set[str] = set()
+        self._baked_timesteps: set[float] = set()
 
     def __repr__(self) -> str:
         return f"ToMeBackend({self.config!r}, compiler={self.compiler!r})"
@@ -193,8 +194,22 @@ class ToMeBackend:
         module = rewritten if result.modified else gm
         return result, compile_fn(module, list(example_inputs) + extra)
 
+    def _note_baked_timestep(self, io: UNetIO) -> None:
+        """Dynamo bakes a Python-number timestep into the graph; a second graph with another baked
+        value means it is guarding on every value (``dynamic=False``): a compile per step, and
+        after Dynamo's recompile limit the plain model without ToMe."""
+        if io.timestep_constant is None:
+            return
+        self._baked_timesteps.add(io.timestep_constant)
+        if len(self._baked_timesteps) > 1:
+            self.say_once("ToMe: the U-Net gets Python-number timesteps and Dynamo compiles it again for "
+                          "every value (torch.compile(dynamic=False) does this for any model; after its "
+                          "recompile limit it runs the plain model, without ToMe); pass torch.tensor(t), "
+                          "or leave dynamic unset (one more compile at the second step, then none)")
+
     def _compile_static(self, gm: fx.GraphModule, example_inputs: Sequence[Any], compile_fn: CompilerFn,
                         io: UNetIO) -> Callable[..., Any]:
+        self._note_baked_timestep(io)
         result, compiled = self._rewrite_and_compile(gm, example_inputs, compile_fn, "tome")
         self.reports.append(result)
         logger.info("%s", result.summary())
