@@ -66,6 +66,7 @@ class ToMeSession:
                                   f"version {self.meta.get('version')}, this one reads {METADATA_VERSION}); "
                                   "export it again with this tome-export")
         self.specs = [ToMeInputSpec.from_json(d) for d in self.meta.get("tome_inputs", [])]
+        self._uses_map = any(spec.draw == "importance" for spec in self.specs)
         if providers is None:
             available = ort.get_available_providers()
             providers = (["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -102,9 +103,7 @@ class ToMeSession:
 
     def _tome_feed(self, sample_shape: tuple[int, ...], timestep: Any) -> dict[str, np.ndarray]:
         """The ToMe inputs, drawn as ``tome_backend`` draws them (same specs, same order)."""
-        current = None
-        if any(spec.draw == "importance" for spec in self.specs):
-            current = self.importance.current(tuple(sample_shape), timestep)
+        current = self.importance.current(tuple(sample_shape), timestep) if self._uses_map else None
         values = draw_tome_inputs(self.specs, self.sampler, current, "cpu")
         return {spec.name: value.numpy() for spec, value in zip(self.specs, values)}
 
@@ -122,6 +121,6 @@ class ToMeSession:
         feed.update(self._tome_feed(feed["sample"].shape, timestep))
         out = self.session.run(None, feed)[0]
         result = torch.from_numpy(out).to(sample.device if isinstance(sample, torch.Tensor) else "cpu")
-        if any(spec.draw == "importance" for spec in self.specs):
+        if self._uses_map:
             self.importance.update(result)
         return _Output(sample=result) if return_dict else (result,)

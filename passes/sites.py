@@ -224,14 +224,17 @@ def find_attention_sites(gm: fx.GraphModule) -> list[AttentionSite]:
     return sites
 
 
+def _first_conv(gm: fx.GraphModule) -> fx.Node | None:
+    """The U-Net's first convolution (``conv_in``): the sample is its input."""
+    return next((n for n in gm.graph.nodes if _is_call(n, _CONV_OPS)), None)
+
+
 def latent_size(gm: fx.GraphModule) -> tuple[int, int] | None:
     """Spatial size (h, w) of the latent: the input of the first convolution (``conv_in``)."""
-    for node in gm.graph.nodes:
-        if _is_call(node, _CONV_OPS):
-            shape = node_shape(node.args[0])
-            if shape is not None and len(shape) == 4 and _static(shape[2:]):
-                return int(shape[2]), int(shape[3])
-            return None
+    conv = _first_conv(gm)
+    shape = node_shape(conv.args[0]) if conv is not None else None
+    if shape is not None and len(shape) == 4 and _static(shape[2:]):
+        return int(shape[2]), int(shape[3])
     return None
 
 
@@ -272,7 +275,7 @@ class UNetIO:
 
 def _sample_placeholder(gm: fx.GraphModule) -> fx.Node | None:
     """The input of the first convolution (conv_in), traced back through shape-preserving ops."""
-    conv = next((n for n in gm.graph.nodes if _is_call(n, _CONV_OPS)), None)
+    conv = _first_conv(gm)
     node = conv.args[0] if conv is not None else None
     while isinstance(node, fx.Node) and node.op != "placeholder":
         node = next((a for a in node.all_input_nodes if node_shape(a) == node_shape(node)), None)

@@ -214,9 +214,12 @@ class ToMeBackend:
         self.reports.append(result)
         logger.info("%s", result.summary())
         warn_if_nothing_rewritten(result, self.config)
-        runner = _Runner(self, io, _device_of(example_inputs), compiled, result.inputs)
         if self.config.method != "importance" or self.oracle or not result.modified:
-            return runner
+            # nothing to append: the compiled graph itself, no wrapper on the hot path
+            if not result.inputs:
+                return compiled
+            return _Runner(self, io, _device_of(example_inputs), compiled, result.inputs)
+        runner = _Runner(self, io, _device_of(example_inputs), compiled, result.inputs)
         # Importance: a second graph whose plans read the guidance map; the tome graph above is
         # the fallback for calls without a map. Both are compiled now: no recompile mid-generation.
         result_imp, compiled_imp = self._rewrite_and_compile(gm, example_inputs, compile_fn, "importance")
@@ -247,22 +250,20 @@ class _Runner:
 
     def _state(self, args: Sequence[Any]) -> ImportanceState:
         if self._param_index == -1:
-            self._param_index = next((i for i, a in enumerate(args) if isinstance(a, torch.nn.Parameter)), None)
+            self._param_index = next((i for i, a in enumerate(args) if isinstance(a, torch.nn.Parameter)),
+                                     None)
         return self.backend._state_for(args[self._param_index] if self._param_index is not None else None)
 
     def __call__(self, *args: Any) -> Any:
-        sampler = self.backend.sampler
-        if self.importance_fn is None:
-            return self.tome_fn(*args, *draw_tome_inputs(self.tome_specs, sampler, None, self.device))
-        state = self._state(args)
-        current = state.current(tuple(args[self.io.sample_index].shape), self.io.timestep(args))
-        if current is None:
-            out = self.tome_fn(*args, *draw_tome_inputs(self.tome_specs, sampler, None, self.device))
-        else:
-            out = self.importance_fn(*args, *draw_tome_inputs(self.importance_specs, sampler, current,
-                                                              self.device))
-        outputs = out if isinstance(out, (list, tuple)) else [out]
-        state.update(outputs[self.io.output_index])
+        state = self._state(args) if self.importance_fn is not None else None
+        current = (state.current(tuple(args[self.io.sample_index].shape), self.io.timestep(args))
+                   if state is not None else None)
+        fn, specs = ((self.tome_fn, self.tome_specs) if current is None
+                     else (self.importance_fn, self.importance_specs))
+        out = fn(*args, *draw_tome_inputs(specs, self.backend.sampler, current, self.device))
+        if state is not None:
+            outputs = out if isinstance(out, (list, tuple)) else [out]
+            state.update(outputs[self.io.output_index])
         return out
 
 
