@@ -1,11 +1,15 @@
-"""ONNX Runtime benchmark: baseline export vs ToMe export vs the oracle, side by side.
+"""ONNX Runtime benchmark: the optimised plain model vs ToMe vs the oracle, side by side.
 
-    python -m tome_compile.export.bench_ort                 # SD 1.5 architecture, batch 2, 512² and 1024², CPU EP
-    python -m tome_compile.export.bench_ort --sizes 512 --workdir /tmp/ort-bench
+    python -m tome_compile.export.bench_ort      # SD 1.5 architecture, 512² batch 2 and 1024² batch 1, CPU EP
+    python -m tome_compile.export.bench_ort --sizes 512 --batches 2 --workdir /tmp/ort-bench
 
-Each variant is exported with ``export_onnx`` (checked and parity-tested), loaded in its own
-session, and timed in interleaved rounds; medians, ratios against the baseline, and the peak
-memory of a call above the session's resting level are printed and written as JSON.
+The baseline is what an ONNX Runtime user deploys today: the same U-Net exported with every
+attention a fused ``com.microsoft.MultiHeadAttention`` (ratio 0 through the same exporter) and
+run through ORT's transformer optimizer (``model_type="unet"``, the provider's fusions). ToMe
+and the oracle go through the same path. Each variant is exported with ``export_onnx`` (checked
+and parity-tested), loaded in its own session and timed in interleaved rounds; medians, ratios
+against the baseline, and the peak memory of a call above the session's resting level are
+printed and written as JSON.
 """
 
 from __future__ import annotations
@@ -52,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="sd15")
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024])
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--batches", type=int, nargs="+", default=[2, 1],
+                        help="batch per size (default 2 at 512², 1 at 1024²)")
+    parser.add_argument("--no-optimize", action="store_true",
+                        help="skip ORT's transformer optimizer (compare unoptimised exports)")
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default="ort-bench", help="where the exported models go (deleted after)")
@@ -66,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="hold one session at a time (load, run, free, in each round): for sizes where "
                              "ONNX Runtime CPU materialises N x N attention (1024²: 8.6 GB per image)")
     args = parser.parse_args(argv)
+    if len(args.batches) == 1:
+        args.batches = args.batches * len(args.sizes)
+    if len(args.batches) != len(args.sizes):
+        parser.error(f"--batches {args.batches} must give one batch per size {args.sizes} (or one for all)")
 
     import onnxruntime as ort
     import torch
@@ -82,12 +93,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"tome {args.ratio}": (ToMeConfig(ratio=args.ratio, seed=0), False),
                 "oracle": (ToMeConfig(ratio=args.ratio, seed=0), True)}
     variants = {k: v for k, v in variants.items() if k.split()[0] in args.variants}
-    result: dict[str, Any] = {"model": args.model, "batch": args.batch, "ratio": args.ratio,
+    result: dict[str, Any] = {"model": args.model, "ratio": args.ratio,
+                              "optimized": not args.no_optimize,
                               "repeats": args.repeats, "onnxruntime": ort.__version__,
                               "threads": torch.get_num_threads(), "sizes": []}
     total = len(args.sizes) * len(variants) * (2 + args.repeats)
     with tqdm(total=total, desc="bench-ort", unit="step", file=sys.stderr) as bar:
-        for size in args.sizes:
+        for size, batch in zip(args.sizes, args.batches):
             exports: dict[str, dict[str, Any]] = {}
             paths: dict[str, Path] = {}
             for label, (config, oracle) in variants.items():  # export all first: one big model in memory
@@ -100,18 +112,20 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 unet, _ = load_unet(args.model)
                 start = time.perf_counter()
-                exported = export_onnx(unet, path, config,
-                                       batch=args.batch, height=size, width=size, force=True, oracle=oracle)
+                exported = export_onnx(unet, path, config, batch=batch, height=size, width=size, force=True,
+                                       oracle=oracle, optimize=None if args.no_optimize else "cpu")
                 exports[label] = {"export_s": time.perf_counter() - start,
                                   "parity_max_abs": exported.parity_max_abs,
-                                  "sites": len(exported.report.rewritten)}
+                                  "sites": len(exported.report.rewritten),
+                                  "fused_attention": exported.fused_attention,
+                                  "fusions": exported.fusions}
                 paths[label] = exported.path
                 del unet, exported
                 gc.collect()
                 bar.update(1)
             session_of = _SessionPool(paths, args.one_session)
 
-            inputs = example_inputs(load_unet(args.model)[0], batch=args.batch, height=size, width=size)
+            inputs = example_inputs(load_unet(args.model)[0], batch=batch, height=size, width=size)
             gc.collect()
             times: dict[str, list[float]] = {k: [] for k in paths}
             peaks: dict[str, list[int]] = {k: [] for k in paths}
@@ -138,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                     times[label].append(time.perf_counter() - start)
                     session_of.release(label)
                     bar.update(1)
-            result["sizes"].append({"size": size, "batch": args.batch, "variants": {
+            result["sizes"].append({"size": size, "batch": batch, "variants": {
                 k: {**exports[k], "times": times[k], "median_s": statistics.median(times[k]),
                     "peak_bytes": peaks[k]} for k in paths}})
             session_of.close()
@@ -152,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     for entry in result["sizes"]:
         v = entry["variants"]
         base = v["baseline"]["median_s"] if "baseline" in v else None
-        print(f"\nONNX Runtime CPU EP, {args.model} {entry['size']}x{entry['size']}, batch {entry['batch']}, fp32, "
-              f"median of {args.repeats}")
+        how = "unoptimised" if args.no_optimize else "ORT transformer optimizer (cpu)"
+        print(f"\nONNX Runtime {ort.__version__} CPU EP, {args.model} {entry['size']}x{entry['size']}, "
+              f"batch {entry['batch']}, fp32, fused MultiHeadAttention + {how}, median of {args.repeats}")
         print("| variant | median s | vs baseline | peak mem / call (first run) | parity max abs | sites |")
         print("|---|---:|---:|---:|---:|---:|")
         for label, row in v.items():

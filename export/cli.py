@@ -22,14 +22,15 @@ EPILOG = """examples:
   tome-export out/unet.onnx --model ./stable-diffusion-v1-5 --height 768 --width 768
   tome-export sdxl.onnx --model sdxl --max-downsample 2 --height 1024 --width 1024 --batch 2
   tome-export unet.onnx --model ./my-unet --no-rand --ratio 0.4 --force
+  tome-export --into ./sd15-onnx --model ./stable-diffusion-v1-5 --optimize cuda --fp16   # Optimum folder
 """
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tome-export", description=__doc__, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out", help="output .onnx path (weights go to OUT.data beside it)")
-    p.add_argument("--model", default="sd15",
+    p.add_argument("out", nargs="?", help="output .onnx path (weights go to OUT.data beside it)")
+    p.add_argument("--model", default=None,
                    help="local diffusers U-Net or pipeline folder, or sd15 | sd21 | sdxl (random weights)")
     p.add_argument("--height", type=int, default=512, help="image height in pixels (multiple of 8)")
     p.add_argument("--width", type=int, default=512, help="image width in pixels (multiple of 8)")
@@ -39,14 +40,30 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-downsample", type=int, default=1, help="1, 2, 4 or 8 (use 2 for SDXL)")
     p.add_argument("--sx", type=int, default=2)
     p.add_argument("--sy", type=int, default=2)
-    p.add_argument("--no-rand", action="store_true", help="fixed destinations: no tome_partition input")
+    p.add_argument("--no-rand", action="store_true", help="fixed destinations (tomesd's use_rand=False)")
+    p.add_argument("--partition-input", action="store_true",
+                   help="take the random destinations as a tome_partition input drawn by the caller "
+                        "(ToMeSession; bit-exact with tome_backend(seed=)) instead of hashing them in the "
+                        "graph from the timestep and the optional tome_seed input (default)")
+    p.add_argument("--portable", action="store_true",
+                   help="plain ONNX attention (MatMul/Softmax) instead of com.microsoft.MultiHeadAttention, "
+                        "for runtimes without ONNX Runtime's contrib ops")
+    p.add_argument("--static-batch", action="store_true",
+                   help="fix the batch to --batch (default: any batch from one file)")
+    p.add_argument("--optimize", choices=["cpu", "cuda"], default=None,
+                   help="run ONNX Runtime's transformer optimizer (model_type=unet) for that provider "
+                        "and check parity again")
+    p.add_argument("--into", metavar="DIR", default=None,
+                   help="replace DIR/unet/model.onnx of an Optimum ONNX Stable Diffusion folder "
+                        "(OUT is then omitted; --model must give the U-Net's weights)")
     p.add_argument("--merge-crossattn", action="store_true")
     p.add_argument("--merge-mlp", action="store_true")
     p.add_argument("--share-plan", action="store_true",
                    help="one plan per resolution level per call (reused by the level's other blocks)")
     p.add_argument("--method", default="tome", choices=["tome", "importance"])
-    p.add_argument("--opset", type=int, default=20, help="ONNX opset (default 20; 23 has no CUDA group norm)")
-    p.add_argument("--fp16", action="store_true", help="export in float16 (parity is checked on CUDA only)")
+    p.add_argument("--opset", type=int, default=20, help="ONNX opset 18..23 (default 20; 23 has no CUDA group norm)")
+    p.add_argument("--fp16", action="store_true",
+                   help="export in float16 (runs on the CPU EP too: the merge's scatter stays float32)")
     p.add_argument("--no-cuda-check", action="store_true",
                    help="do not require every op to have a CUDA EP kernel")
     p.add_argument("--atol", type=float, default=None, help="parity tolerance, times max(1, max |output|) (default 1e-3, fp16 5e-2)")
@@ -94,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tome_compile.export.onnx_export import check_output_path, export_onnx
+    from tome_compile.export.onnx_export import check_opset, export_onnx
+    from tome_compile.export.optimum import check_into_config, remove_stale_external_data
     from tqdm import tqdm
 
     from tome_compile.models import ARCHITECTURES, load_unet
@@ -108,14 +126,16 @@ def _run(args: argparse.Namespace) -> int:
                           "use the batch your pipeline calls the U-Net with (2 = one image with guidance)")
     if args.seq_len < 1:
         raise _UsageError(f"--seq-len {args.seq_len} must be >= 1 (text tokens; 77 for CLIP)")
+    if args.opset is not None:
+        check_opset(args.opset)
+    out, replaced = _destination(args)
     config = ToMeConfig(ratio=args.ratio, max_downsample=args.max_downsample, sx=args.sx, sy=args.sy,
                         use_rand=not args.no_rand, merge_crossattn=args.merge_crossattn,
                         merge_mlp=args.merge_mlp, method=args.method, seed=0, share_plan=args.share_plan)
-    out = check_output_path(args.out, args.force)
     if args.model not in ARCHITECTURES and not Path(args.model).exists():
         raise _UsageError(f"--model {args.model!r}: no such folder, and not one of {ARCHITECTURES}")
 
-    steps = ["load", "trace", "rewrite", "convert", "inventory", "parity"]
+    steps = ["load", "trace", "rewrite", "convert", "inventory", "parity"] + (["optimize"] if args.optimize else [])
     with tqdm(total=len(steps), desc="tome-export", unit="step", file=sys.stderr) as bar:
         bar.set_postfix_str("loading the U-Net")
         unet, description = load_unet(args.model)
@@ -127,25 +147,57 @@ def _run(args: argparse.Namespace) -> int:
             bar.update(1) if bar.n < bar.total - 1 else None
 
         with torch.no_grad():
+            if args.into:
+                check_into_config(Path(args.into), unet)
             result = export_onnx(unet, out, config, batch=args.batch, height=args.height, width=args.width,
-                                 seq_len=args.seq_len,
-                                 opset=args.opset, fp16=args.fp16, force=args.force, atol=args.atol,
-                                 require_cuda_kernels=not args.no_cuda_check, step=step)
+                                 seq_len=args.seq_len, opset=args.opset, fp16=args.fp16,
+                                 force=args.force or bool(args.into), atol=args.atol,
+                                 require_cuda_kernels=not args.no_cuda_check, step=step, portable=args.portable,
+                                 partition_input=args.partition_input, dynamic_batch=not args.static_batch,
+                                 optimize=args.optimize)
         bar.update(bar.total - bar.n)
     print(result.report.summary())
     inv = result.inventory
     print(f"ops (opset {inv.opset}): {sum(inv.op_counts.values())} nodes, {len(inv.op_counts)} op types; "
           "onnx.checker passed; every op has a CUDA EP kernel" if not args.no_cuda_check else
           f"ops (opset {inv.opset}): {sum(inv.op_counts.values())} nodes; onnx.checker passed")
+    if result.fused_attention:
+        print(f"attention: {result.fused_attention} com.microsoft.MultiHeadAttention nodes")
+    if result.fusions:
+        print(f"ONNX Runtime optimizer ({args.optimize}): "
+              + ", ".join(f"{k} {v}" for k, v in sorted(result.fusions.items())))
     if result.parity_max_abs is not None:
         print(f"parity ({result.parity_provider}): max abs {result.parity_max_abs:.3g}, "
               f"max rel {result.parity_max_rel:.3g}")
     else:
-        print("parity: skipped (fp16 needs the CUDA EP)")
-    print("inputs: " + ", ".join(result.input_names) + " -> out_sample")
+        print("parity: not checked")
+    print("inputs: " + ", ".join(result.input_names) + " -> out_sample"
+          + (f" (optional: {', '.join(result.optional_inputs)})" if result.optional_inputs else ""))
     for f in result.files:
         print(f"wrote {f} ({f.stat().st_size / 2**20:.1f} MiB)")
+    for f in remove_stale_external_data(replaced, result.files):
+        print(f"removed {f} (the replaced U-Net's weights)")
     return 0
+
+
+def _destination(args: argparse.Namespace) -> tuple[Path, list[Path]]:
+    """OUT, or DIR/unet/model.onnx with ``--into`` (plus the old model's weight files, removed
+    once the new one is in place)."""
+    from tome_compile.export.onnx_export import check_output_path
+    from tome_compile.export.optimum import check_optimum_folder, external_data_files
+
+    if args.into:
+        if args.out:
+            raise _UsageError(f"give either OUT ({args.out!r}) or --into {args.into!r}, not both")
+        if args.model is None:
+            raise _UsageError("--into needs --model with the U-Net's weights (a diffusers folder): an "
+                              "Optimum folder holds only ONNX files, and random weights would replace yours")
+        out = check_optimum_folder(Path(args.into))
+        return check_output_path(out, True), external_data_files(out)
+    if not args.out:
+        raise _UsageError("give an output path OUT (…/unet.onnx) or --into DIR")
+    args.model = args.model or "sd15"
+    return check_output_path(args.out, args.force), []
 
 
 if __name__ == "__main__":

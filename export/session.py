@@ -3,8 +3,10 @@
     session = ToMeSession("unet_tome.onnx", seed=0)          # CUDA EP when available, else CPU
     noise_pred = session(latents, t, encoder_hidden_states=emb).sample
 
-It draws the destination partition for every call from its own seeded generator (the same
-sequence ``tome_backend(seed=...)`` draws), converts torch tensors to the model's input types and
+It feeds the ToMe inputs the export declares: ``tome_seed`` (the default export: the graph hashes
+the destinations from it and the timestep), or, for ``--partition-input`` exports, a partition
+drawn every call from its own seeded generator (the same sequence ``tome_backend(seed=...)``
+draws). It converts torch tensors to the model's input types (float32 ``[1]`` timestep) and
 returns torch tensors on the caller's device.
 """
 
@@ -20,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 from tome_compile.export.onnx_export import METADATA_KEY, METADATA_VERSION
+from tome_compile.passes import SEED_INPUT
 
 from tome_compile.errors import ToMeExportError
 from tome_compile.importance import ImportanceState
@@ -32,6 +35,8 @@ logger = logging.getLogger("tome_compile.export")
 
 _NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
           "tensor(int32)": np.int32, "tensor(double)": np.float64}
+_TORCH = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16}
+_NUMPY_OF = {torch.float32: np.float32, torch.float16: np.float16}
 
 
 class _Output(SimpleNamespace):
@@ -47,11 +52,13 @@ class ToMeSession:
     Args:
         path: the ``.onnx`` file (its ``.onnx.data`` beside it).
         providers: ONNX Runtime providers; default CUDA EP when available, else CPU.
-        seed: seed of the partition generator (``None``: from the OS).
+        seed: seed of the partition generator (``None``: from the OS; hashed exports get 0).
+        io_binding: bind torch tensors to the session by pointer (no NumPy round trip; the output
+            is written into a torch tensor on the input's device). Default: on for the CUDA EP.
     """
 
     def __init__(self, path: str | Path, *, providers: Sequence[str] | None = None,
-                 seed: int | None = None, session_options: Any = None) -> None:
+                 seed: int | None = None, session_options: Any = None, io_binding: bool | None = None) -> None:
         import onnx
         import onnxruntime as ort
 
@@ -81,25 +88,74 @@ class ToMeSession:
         self.config = SimpleNamespace(**self.meta.get("unet_config", {}))
         self.dtype = torch.float16 if self.meta.get("dtype") == "float16" else torch.float32
         self.device = torch.device("cpu")
+        self.io_binding = self.provider == "CUDAExecutionProvider" if io_binding is None else io_binding
 
     def reset(self, seed: int | None = None) -> None:
         """Start a new generation: restart the random sequence, forget the importance map."""
         self.sampler.reseed(seed)
         self.importance.reset()
 
-    def _feed(self, name: str, value: Any) -> np.ndarray:
+    def _feed(self, name: str, value: Any) -> np.ndarray | torch.Tensor:
         if name not in self.inputs:
             raise ToMeExportError(f"input {name!r} is not an input of this model ({list(self.inputs)})")
-        array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
         spec = self.inputs[name]
+        if self.io_binding and name != "timestep" and isinstance(value, torch.Tensor) and spec.type in _TORCH:
+            self._check_shape(name, tuple(value.shape))  # bound by pointer, stays on its device
+            return value.detach().to(_TORCH[spec.type]).contiguous()
+        array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
         array = array.astype(_NUMPY.get(spec.type, array.dtype), copy=False)
         if len(spec.shape) == 0:
             array = array.reshape(())
-        want = [d for d in spec.shape]
-        if any(isinstance(d, int) and d != got for d, got in zip(want, array.shape)) or len(want) != array.ndim:
-            raise ToMeExportError(f"{name} has shape {tuple(array.shape)}, this export takes {tuple(want)} "
-                                  "(batch and size are fixed per export; export again for another)")
+        elif name == "timestep" and list(spec.shape) == [1] and array.size != 1:
+            flat = array.reshape(-1)  # diffusers may pass one timestep per image: all the same
+            if not (flat == flat[0]).all():
+                raise ToMeExportError(f"timestep holds different values {flat.tolist()[:4]}...; this "
+                                      "export takes one timestep per call (shape [1])")
+            array = flat[:1]
+        elif name == "timestep" and list(spec.shape) == [1]:
+            array = array.reshape(1)
+        self._check_shape(name, tuple(array.shape))
         return array
+
+    def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        want = list(self.inputs[name].shape)
+        if any(isinstance(d, int) and d != got for d, got in zip(want, shape)) or len(want) != len(shape):
+            raise ToMeExportError(f"{name} has shape {shape}, this export takes {tuple(want)} "
+                                  "(the image size and text length are fixed per export, and the batch "
+                                  "of importance exports; export again for another)")
+
+    def _run(self, feed: dict[str, np.ndarray | torch.Tensor], device: torch.device) -> torch.Tensor:
+        """One call: plain ``run`` on NumPy arrays, or IO binding (torch tensors by pointer, the
+        output written into a torch tensor allocated on ``device``)."""
+        # ONNX Runtime cannot bind an optional input (an initializer with a default): such a call
+        # takes the plain path; a default value is simply left out.
+        optional = {k for k in feed if k not in self.inputs}
+        for name in list(optional):
+            value = feed[name]
+            if name == SEED_INPUT and isinstance(value, np.ndarray) and not value.any():  # the default, 0
+                del feed[name]
+                optional.discard(name)
+        if not self.io_binding or optional:
+            arrays = {k: v.cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in feed.items()}
+            return torch.from_numpy(self.session.run(None, arrays)[0]).to(device)
+        binding = self.session.io_binding()
+        for name, value in feed.items():
+            if isinstance(value, torch.Tensor):
+                binding.bind_input(name, value.device.type, value.device.index or 0, _NUMPY_OF[value.dtype],
+                                   list(value.shape), value.data_ptr())
+            else:
+                binding.bind_cpu_input(name, value)
+        output = self.session.get_outputs()[0]
+        sample = feed["sample"]
+        out = torch.empty(tuple(sample.shape), dtype=_TORCH[output.type], device=device)
+        binding.bind_output(output.name, out.device.type, out.device.index or 0, _NUMPY_OF[out.dtype],
+                            list(out.shape), out.data_ptr())
+        if out.device.type == "cuda":
+            binding.synchronize_inputs()
+        self.session.run_with_iobinding(binding)
+        if out.device.type == "cuda":
+            binding.synchronize_outputs()
+        return out
 
     def _tome_feed(self, sample_shape: tuple[int, ...], timestep: Any) -> dict[str, np.ndarray]:
         """The ToMe inputs, drawn as ``tome_backend`` draws them (same specs, same order)."""
@@ -118,9 +174,8 @@ class ToMeSession:
                 if not added_cond_kwargs or name not in added_cond_kwargs:
                     raise ToMeExportError(f"this SDXL export needs added_cond_kwargs[{name!r}]")
                 feed[name] = self._feed(name, added_cond_kwargs[name])
-        feed.update(self._tome_feed(feed["sample"].shape, timestep))
-        out = self.session.run(None, feed)[0]
-        result = torch.from_numpy(out).to(sample.device if isinstance(sample, torch.Tensor) else "cpu")
+        feed.update(self._tome_feed(tuple(feed["sample"].shape), timestep))
+        result = self._run(feed, sample.device if isinstance(sample, torch.Tensor) else torch.device("cpu"))
         if self._uses_map:
             self.importance.update(result)
         return _Output(sample=result) if return_dict else (result,)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -36,6 +36,7 @@ __all__ = [
     "HAS_MAP_INPUT",
     "IMPORTANCE_INPUT",
     "PARTITION_INPUT",
+    "SEED_INPUT",
     "ToMeResult",
     "ToMeSite",
     "merge_self_attention",
@@ -47,6 +48,7 @@ PARTITION_INPUT = "tome_partition"
 IMPORTANCE_INPUT = "tome_importance"
 HAS_MAP_INPUT = "tome_has_map"
 DST_KEY_INPUT = "tome_dst_key"
+SEED_INPUT = "tome_seed"
 
 
 @dataclass(frozen=True)
@@ -115,10 +117,11 @@ class _Mode:
     use_rand: bool
     in_graph_fallback: bool
     note: str  # appended to each rewritten row's reason
+    in_graph_random: bool = False
 
 
 def _choose_mode(config: ToMeConfig, method: str | None, oracle: bool, in_graph_fallback: bool,
-                 batch: int | None) -> _Mode:
+                 batch: int | None, in_graph_random: bool = False) -> _Mode:
     method = "oracle" if oracle else (method or config.method)
     odd = batch is not None and batch % 2 == 1
     note = ""
@@ -130,8 +133,11 @@ def _choose_mode(config: ToMeConfig, method: str | None, oracle: bool, in_graph_
         # the cond and uncond calls; it falls back to fixed destinations.
         use_rand, note = False, note + f"; batch {batch} is odd: fixed destinations (as tomesd)"
     tag = {"oracle": "; oracle", "importance": "; importance"}.get(method, "")
+    if use_rand and in_graph_random:
+        tag += "; destinations hashed from (tome_seed, timestep) in the graph"
     return _Mode(method=method, use_rand=use_rand,
-                 in_graph_fallback=in_graph_fallback and method == "importance", note=note + tag)
+                 in_graph_fallback=in_graph_fallback and method == "importance", note=note + tag,
+                 in_graph_random=use_rand and in_graph_random)
 
 
 def _add_input(graph: fx.Graph, spec: ToMeInputSpec) -> fx.Node:
@@ -163,12 +169,17 @@ def _rewrite_all(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig,
         add(ToMeInputSpec(IMPORTANCE_INPUT, (batch // 2, *latent), torch.float32, "importance"))
         if mode.in_graph_fallback:
             add(ToMeInputSpec(HAS_MAP_INPUT, (), torch.bool, "has_map"))
-        if mode.use_rand:
+    drawn = tuple(c for i, c in enumerate(cells) if makers[i] == i)
+    wants_partition = mode.use_rand and (not importance or mode.in_graph_fallback)
+    if mode.in_graph_random:
+        _hashed_inputs(gm, add, nodes, sum(a * b for a, b in drawn) if wants_partition else 0,
+                       config.sx * config.sy, sum(pools) if importance else 0)
+    else:
+        if importance and mode.use_rand:
             add(ToMeInputSpec(DST_KEY_INPUT, (batch // 2, sum(pools)), torch.float32, "dst_key"))
-    if mode.use_rand and (not importance or mode.in_graph_fallback):
-        drawn = tuple(c for i, c in enumerate(cells) if makers[i] == i)
-        add(ToMeInputSpec(PARTITION_INPUT, (sum(a * b for a, b in drawn),), torch.int64, "partition",
-                          cells=drawn, choices=config.sx * config.sy))
+        if wants_partition:
+            add(ToMeInputSpec(PARTITION_INPUT, (sum(a * b for a, b in drawn),), torch.int64, "partition",
+                              cells=drawn, choices=config.sx * config.sy))
     cell_offset = key_offset = 0
     made: dict[int, tuple[fx.Node, fx.Node] | None] = {}
     for i, (plan, (ch, cw), pool) in enumerate(zip(plans, cells, pools)):
@@ -181,6 +192,29 @@ def _rewrite_all(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig,
     graph.lint()
     gm.recompile()
     return specs
+
+
+def _hashed_inputs(gm: fx.GraphModule, add: Callable[[ToMeInputSpec], None], nodes: dict[str, fx.Node],
+                   cells: int, choices: int, keys: int) -> None:
+    """Deployment form of the random draws: a ``tome_seed`` input, and the partition / keys hashed
+    from it and the timestep inside the graph (no Random* op, no non-standard input needed)."""
+    io = _sites.find_unet_io(gm)
+    if io is None or io.timestep_index is None:
+        raise ToMeRewriteError("in-graph random destinations need the timestep as a graph input; "
+                               "none was found (pass in_graph_random=False to take tome_partition)")
+    timestep = [n for n in gm.graph.nodes if n.op == "placeholder"][io.timestep_index]
+    add(ToMeInputSpec(SEED_INPUT, (), torch.int64, "seed"))
+    seed = nodes.pop("seed")
+    with gm.graph.inserting_after(seed):
+        if keys:
+            nodes["dst_key"] = gm.graph.call_function(_merge.hashed_keys, (seed, timestep, nodes["importance"],
+                                                                          keys))
+        if cells:
+            nodes["partition"] = gm.graph.call_function(_merge.hashed_partition,
+                                                        (seed, timestep, cells, choices))
+    for name in ("dst_key", "partition"):
+        if name in nodes:
+            nodes[name].meta["tome"] = {"role": "plan", "site": "hashed"}
 
 
 def _plan_makers(plans: list[BlockPlan], config: ToMeConfig) -> list[int]:
@@ -328,6 +362,7 @@ def merge_self_attention(
     validate: bool = True,
     method: str | None = None,
     in_graph_fallback: bool = False,
+    in_graph_random: bool = False,
 ) -> ToMeResult:
     """Rewrite every high-resolution self-attention of ``gm`` in place and report every site.
 
@@ -345,6 +380,10 @@ def merge_self_attention(
             the ``tome_importance`` input ``[B/2, H, W]`` (and ``tome_dst_key`` with ``use_rand``).
         in_graph_fallback: importance only: one graph for both kinds of step — a ``tome_has_map``
             input picks the importance or the ToMe plan per call (``torch.cond``).
+        in_graph_random: deployment form of ``use_rand``: one ``tome_seed`` input (int64 scalar)
+            instead of ``tome_partition`` / ``tome_dst_key``; the graph hashes the destinations
+            from the seed and the timestep input (deterministic per (seed, timestep), different
+            across steps and blocks; not the sequence ``tome_backend(seed=)`` draws).
     Returns:
         :class:`ToMeResult`; ``inputs`` describes the graph inputs appended to ``gm`` (feed them
         last, in that order).
@@ -355,7 +394,7 @@ def merge_self_attention(
     plans = [d for d in decisions if isinstance(d, BlockPlan)] if config.enabled else []
     batch = next((s[0] for p in plans if isinstance(s := _sites.node_shape(p.site.input), tuple)
                   and isinstance(s[0], int)), None)
-    mode = _choose_mode(config, method, oracle, in_graph_fallback, batch)
+    mode = _choose_mode(config, method, oracle, in_graph_fallback, batch, in_graph_random)
     kept, specs, failures = (_apply(gm, plans, config, mode, latent, batch, validate) if plans
                              else ([], [], {}))
     report = _report(found, decisions, kept, failures, config, mode)

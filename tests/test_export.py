@@ -31,31 +31,119 @@ def sd15_folder(tmp_path_factory, unet):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, unet):
+    """The default export: fused attention, any batch, float timestep, hashed destinations."""
     out = tmp_path_factory.mktemp("onnx") / "unet.onnx"
-    result = export_onnx(copy.deepcopy(unet), out, ToMeConfig(ratio=0.5, seed=0), height=HW, width=HW, seq_len=7,
-                         atol=1e-4)
-    return result
+    return export_onnx(copy.deepcopy(unet), out, ToMeConfig(ratio=0.5, seed=0), height=HW, width=HW, seq_len=7,
+                       atol=1e-4)
 
 
-def test_export_writes_checked_model_with_partition_input(exported):
+@pytest.fixture(scope="module")
+def exported_partition(tmp_path_factory, unet):
+    """--partition-input: the destinations drawn by the caller (bit-exact with tome_backend)."""
+    out = tmp_path_factory.mktemp("onnx_partition") / "unet.onnx"
+    return export_onnx(copy.deepcopy(unet), out, ToMeConfig(ratio=0.5, seed=0), height=HW, width=HW, seq_len=7,
+                       atol=1e-4, partition_input=True)
+
+
+def ort_session(path):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def standard_feed(batch, t=999.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"sample": torch.randn(batch, 4, 16, 16, generator=g).numpy(),
+            "timestep": np.array([t], dtype=np.float32),
+            "encoder_hidden_states": torch.randn(batch, 7, 32, generator=g).numpy()}
+
+
+def attention_modules(unet):
+    from diffusers.models.attention_processor import Attention
+
+    return sum(isinstance(m, Attention) for m in unet.modules())
+
+
+def test_default_export_is_what_ort_users_deploy(exported, unet):
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
     assert exported.path.is_file() and exported.path.with_name("unet.onnx.data").is_file()
-    assert exported.input_names == ["sample", "timestep", "encoder_hidden_states", "tome_partition"]
+    assert exported.input_names == ["sample", "timestep", "encoder_hidden_states", "tome_seed"]
+    assert exported.optional_inputs == ["tome_seed"]
     assert [s.path for s in exported.report.rewritten] == [
         "down_blocks.0.attentions.0.transformer_blocks.0.attn1",
         "up_blocks.1.attentions.0.transformer_blocks.0.attn1",
         "up_blocks.1.attentions.1.transformer_blocks.0.attn1"]
     assert exported.parity_max_abs is not None and exported.parity_max_abs <= 1e-4
     model = onnx.load(str(exported.path), load_external_data=False)
-    ops = {n.op_type for n in model.graph.node}
-    assert not any(op.startswith("Random") for op in ops)  # the partition is an input, not a Random* op
-    assert "GroupNormalization" not in ops  # opset 20: InstanceNormalization, which CUDA EP has
+    ops = [(n.domain, n.op_type) for n in model.graph.node]
+    # every attention of the U-Net (merged, unmerged, cross) is one fused node
+    assert ops.count(("com.microsoft", "MultiHeadAttention")) == attention_modules(unet) == 8
+    assert not any(op.startswith("Random") for _, op in ops)  # destinations hashed, not drawn
+    assert not {"ReduceL2", "ReduceMax", "Softmax"} & {op for _, op in ops}  # shape inference reads all
+    assert "GroupNormalization" not in {op for _, op in ops}  # opset 20: InstanceNormalization (CUDA EP has it)
+    inputs = {i.name: i.type.tensor_type for i in model.graph.input}
+    assert inputs["timestep"].elem_type == onnx.TensorProto.FLOAT
+    assert [d.dim_value for d in inputs["timestep"].shape.dim] == [1]
+    assert inputs["sample"].shape.dim[0].dim_param and inputs["encoder_hidden_states"].shape.dim[0].dim_param
+    assert [i.name for i in model.graph.initializer if i.name.startswith("tome")] == ["tome_seed"]
     assert [o.name for o in model.graph.output] == ["out_sample"]
     assert check_op_inventory(exported.path).ok
+    inferred = SymbolicShapeInference.infer_shapes(onnx.load(str(exported.path)), auto_merge=True)
+    assert inferred is not None
 
 
-def test_session_equals_compiled_backend(exported, unet):
+def test_portable_export_has_no_contrib_ops(tmp_path, unet):
+    result = export_onnx(copy.deepcopy(unet), tmp_path / "p.onnx", ToMeConfig(ratio=0.5, use_rand=False),
+                         height=HW, width=HW, seq_len=7, atol=1e-4, portable=True)
+    model = onnx.load(str(result.path), load_external_data=False)
+    assert {n.domain for n in model.graph.node} == {""} and result.fused_attention == 0
+    assert sum(n.op_type == "Softmax" for n in model.graph.node) == 8
+
+
+def test_any_batch_with_standard_inputs_only(exported, exported_partition):
+    from tome_compile.merge import hashed_partition
+
+    hashed, drawn = ort_session(exported.path), ort_session(exported_partition.path)
+    cells = sum(a * b for a, b in next(s for s in exported_partition.report.inputs).cells)
+    for batch in (1, 2, 4):
+        feed = standard_feed(batch)
+        got = hashed.run(None, feed)[0]  # tome_seed omitted: its default, 0
+        assert got.shape == feed["sample"].shape
+        # the graph's destinations are hashed_partition(seed, timestep): fed to the partition
+        # export (== tome_backend with that partition) they give the same output
+        partition = hashed_partition(torch.tensor(0), torch.tensor([999.0]), cells, 4).numpy()
+        ref = drawn.run(None, {**feed, "tome_partition": partition})[0]
+        assert np.abs(got - ref).max() < 1e-5
+        assert np.array_equal(got, hashed.run(None, {**feed, "tome_seed": np.array(0)})[0])
+
+
+def test_hashed_destinations_are_deterministic_and_vary():
+    from tome_compile.merge import hashed_partition
+
+    def draw(seed, t):
+        return hashed_partition(torch.tensor(seed), torch.tensor([t]), 192, 4)
+
+    assert torch.equal(draw(0, 999.0), draw(0, 999.0))
+    assert (draw(0, 999.0) != draw(0, 979.0)).float().mean() > 0.6  # ~3/4 of the cells differ
+    assert (draw(0, 999.0) != draw(1, 999.0)).float().mean() > 0.6
+    assert (draw(0, 999.0) != draw(0, 999.5)).float().mean() > 0.6  # fractional timesteps too
+    counts = torch.bincount(hashed_partition(torch.tensor(0), torch.tensor([1.0]), 40000, 4), minlength=4)
+    assert counts.min() > 9500 and counts.max() < 10500  # uniform over the sx*sy choices
+    first, second = draw(0, 999.0)[:96], draw(0, 999.0)[96:]  # two blocks' slices differ
+    assert (first != second).float().mean() > 0.6
+
+
+def test_tome_seed_changes_the_output(exported):
+    session, feed = ort_session(exported.path), standard_feed(2)
+    a = session.run(None, {**feed, "tome_seed": np.array(0)})[0]
+    b = session.run(None, {**feed, "tome_seed": np.array(7)})[0]
+    assert np.abs(a - b).max() > 1e-3
+
+
+def test_session_equals_compiled_backend(exported_partition, unet):
     # Same seed => same partition sequence => the ONNX and torch.compile paths agree call by call.
-    session = ToMeSession(exported.path, seed=3)
+    session = ToMeSession(exported_partition.path, seed=3)
     assert session.provider == "CPUExecutionProvider"
     backend = tome_backend(0.5, compiler="eager", seed=3)
     compiled = torch.compile(copy.deepcopy(unet), backend=backend, fullgraph=True)
@@ -67,20 +155,53 @@ def test_session_equals_compiled_backend(exported, unet):
     assert isinstance(tuple_out, tuple) and tuple_out[0].shape == inputs.sample.shape
 
 
+@pytest.mark.parametrize("timestep", [999, 999.0, torch.tensor(999), torch.tensor([999.0]),
+                                      torch.tensor([999, 999])])
+def test_session_takes_every_timestep_form(exported, unet, timestep):
+    session = ToMeSession(exported.path, seed=0)
+    inputs = tiny_inputs(unet)
+    got = session(inputs.sample, timestep, inputs.encoder_hidden_states).sample
+    feed = {"sample": inputs.sample.numpy(), "timestep": np.array([999.0], np.float32),
+            "encoder_hidden_states": inputs.encoder_hidden_states.numpy()}
+    assert np.array_equal(got.numpy(), ort_session(exported.path).run(None, feed)[0])
+
+
 def test_session_rejects_wrong_shapes(exported):
     session = ToMeSession(exported.path, seed=0)
     with pytest.raises(ToMeExportError, match="fixed per export"):
-        session(torch.zeros(1, 4, 16, 16), torch.tensor(1), torch.zeros(1, 7, 32))
+        session(torch.zeros(2, 4, 8, 8), torch.tensor(1), torch.zeros(2, 7, 32))
+    with pytest.raises(ToMeExportError, match="different values"):
+        session(torch.zeros(2, 4, 16, 16), torch.tensor([1, 2]), torch.zeros(2, 7, 32))
 
 
-def test_no_rand_export_equals_tomesd(tmp_path, unet):
+def test_fp16_export_runs_on_the_cpu_ep(tmp_path, unet, exported):
+    result = export_onnx(copy.deepcopy(unet), tmp_path / "h.onnx", ToMeConfig(ratio=0.5, seed=0), height=HW,
+                         width=HW, seq_len=7, fp16=True)
+    assert result.parity_provider == "CPUExecutionProvider"  # checked vs PyTorch fp16, not skipped
+    assert result.parity_max_rel is not None and result.parity_max_rel < 1e-2
+    model = onnx.load(str(result.path), load_external_data=False)
+    scatters = [n for n in model.graph.node if n.op_type == "ScatterElements"]
+    assert scatters and all(n.input[0] in {c.output[0] for c in model.graph.node if c.op_type == "Cast"}
+                            for n in scatters if any(a.name == "reduction" and a.s == b"add" for a in n.attribute))
+    feed = standard_feed(2)
+    half = ort_session(result.path).run(None, {k: v.astype(np.float16) if v.dtype == np.float32 and k != "timestep"
+                                              else v for k, v in feed.items()})[0]
+    full = ort_session(exported.path).run(None, feed)[0]
+    assert half.dtype == np.float16
+    # fp16 vs the fp32 export: same destinations, fp16 rounding only
+    assert np.abs(half.astype(np.float32) - full).max() < 2e-2 * max(1.0, float(np.abs(full).max()))
+
+
+def test_no_rand_export_equals_tomesd_at_any_batch(tmp_path, unet):
     result = export_onnx(copy.deepcopy(unet), tmp_path / "m.onnx", ToMeConfig(ratio=0.5, use_rand=False),
                          height=HW, width=HW, seq_len=7, atol=1e-4)
     assert result.input_names == ["sample", "timestep", "encoder_hidden_states"]  # exactly the standard ones
-    inputs = tiny_inputs(unet)
-    got = ToMeSession(result.path)(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
     ref = tomesd_reference(unet, ratio=0.5, use_rand=False)
-    assert (got - call(ref, inputs)).abs().max() < 1e-4
+    session = ToMeSession(result.path)
+    for batch in (1, 2, 4):  # one file, each batch equal to tomesd on the PyTorch model
+        inputs = tiny_inputs(unet, batch=batch, seed=batch)
+        got = session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
+        assert got.shape[0] == batch and (got - call(ref, inputs)).abs().max() < 1e-4
 
 
 def test_sdxl_export(tmp_path):
@@ -136,13 +257,95 @@ def test_inventory_flags_ops_without_cuda_kernel(tmp_path):
 def test_cli_success(tmp_path, sd15_folder, capsys):
     out = tmp_path / "cli.onnx"
     code = main([str(out), "--model", str(sd15_folder), "--height", str(HW), "--width", str(HW), "--seq-len", "7",
-                 "--ratio", "0.4", "--no-rand"])
+                 "--ratio", "0.4", "--optimize", "cpu"])
     printed = capsys.readouterr().out
     assert code == 0
     assert out.is_file() and (tmp_path / "cli.onnx.data").is_file()
     assert "rewrote 3 of 8 attention sites" in printed and "256 -> 154 tokens" in printed
-    assert "parity (CPUExecutionProvider): max abs" in printed
+    assert "parity (CPUExecutionProvider): max abs" in printed  # checked again after the optimizer
+    assert "attention: 8 com.microsoft.MultiHeadAttention nodes" in printed
+    assert "SkipLayerNormalization 8" in printed and "NhwcConv" not in printed  # CPU: no CUDA-only fusions
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cli.onnx", "cli.onnx.data"]
+    model = onnx.load(str(out), load_external_data=False)
+    assert "tome_compile" in {p.key for p in model.metadata_props}  # ToMeSession still reads it
+    got = ort_session(out).run(None, standard_feed(3))[0]
+    assert got.shape == (3, 4, 16, 16) and np.isfinite(got).all()
+
+
+def test_optimizer_finds_the_plain_exports_fusions(tmp_path, unet, exported):
+    from tome_compile.export.onnx_export import optimize_for_ort
+
+    plain = export_onnx(copy.deepcopy(unet), tmp_path / "plain.onnx", ToMeConfig(ratio=0.0), height=HW, width=HW,
+                        seq_len=7, check_parity=False)
+    assert plain.report.rewritten == [] and plain.fused_attention == 8
+    for provider in ("cpu", "cuda"):
+        ours = optimize_for_ort(exported.path, tmp_path / f"ours_{provider}.onnx", provider)
+        theirs = optimize_for_ort(plain.path, tmp_path / f"plain_{provider}.onnx", provider)
+        for op in ("MultiHeadAttention", "LayerNormalization", "SkipLayerNormalization", "GroupNorm",
+                   "SkipGroupNorm"):
+            assert ours.get(op, 0) == theirs.get(op, 0), (provider, op, ours, theirs)
+        assert theirs["SkipLayerNormalization"] == 8
+    assert theirs["GroupNorm"] + theirs["SkipGroupNorm"] == 21  # CUDA: every group norm fused
+
+
+def test_into_replaces_the_unet_of_an_optimum_folder(tmp_path, sd15_folder, capsys):
+    folder = _optimum_folder(tmp_path)
+    code = main(["--into", str(folder), "--model", str(sd15_folder), "--height", str(HW), "--width", str(HW),
+                 "--seq-len", "7"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    unet_dir = folder / "unet"
+    assert sorted(p.name for p in unet_dir.iterdir()) == ["config.json", "model.onnx", "model.onnx.data"]
+    assert "removed" in printed and "model.onnx_data" in printed  # the old weights, no longer used
+    # what Optimum's ORT U-Net does: read the timestep type from the session, send [t] of it
+    session = ort_session(unet_dir / "model.onnx")
+    timestep_type = next(i.type for i in session.get_inputs() if i.name == "timestep")
+    assert timestep_type == "tensor(float)" and [i.name for i in session.get_outputs()] == ["out_sample"]
+    required = [i.name for i in session.get_inputs() if i.name != "tome_seed"]
+    assert required == ["sample", "timestep", "encoder_hidden_states"]
+    feed = standard_feed(2)
+    out = session.run(None, {"sample": feed["sample"], "timestep": np.array([981], dtype=np.float32),
+                             "encoder_hidden_states": feed["encoder_hidden_states"]})[0]
+    assert out.shape == feed["sample"].shape
+
+
+def _optimum_folder(tmp_path):
+    """A folder laid out like `optimum-cli export onnx` writes: model_index.json, unet/model.onnx
+    with its weights in unet/model.onnx_data, unet/config.json."""
+    folder = tmp_path / "sd-onnx"
+    (folder / "unet").mkdir(parents=True)
+    (folder / "model_index.json").write_text('{"_class_name": "ORTStableDiffusionPipeline"}')
+    (folder / "unet" / "config.json").write_text('{"in_channels": 4, "cross_attention_dim": 32}')
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4])
+    w = onnx.numpy_helper.from_array(np.ones(4096, np.float32)[:4].copy(), "w")
+    model = onnx.helper.make_model(onnx.helper.make_graph([onnx.helper.make_node("Add", ["x", "w"], ["y"])], "old",
+                                                          [x], [y], [w]))
+    onnx.save(model, str(folder / "unet" / "model.onnx"), save_as_external_data=True,
+              location="model.onnx_data", size_threshold=0)
+    return folder
+
+
+@pytest.mark.parametrize("give_model, words", [(False, "--into needs --model"), (True, "cross_attention_dim")])
+def test_into_refuses_and_keeps_the_old_unet(tmp_path, sd15_folder, capsys, give_model, words):
+    folder = _optimum_folder(tmp_path)
+    extra = []
+    if give_model:  # the folder's U-Net is another architecture (SD 1.5's 768-wide text)
+        (folder / "unet" / "config.json").write_text('{"in_channels": 4, "cross_attention_dim": 768}')
+        extra = ["--model", str(sd15_folder)]
+    before = {p.name: p.read_bytes() for p in (folder / "unet").iterdir()}
+    assert main(["--into", str(folder)] + extra + ["--height", str(HW), "--width", str(HW), "--seq-len", "7"]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in (folder / "unet").iterdir()} == before
+
+
+@pytest.mark.parametrize("opset", ["5", "17", "24"])
+def test_cli_rejects_opsets_the_exporter_cannot_write(tmp_path, sd15_folder, capsys, opset):
+    assert main([str(tmp_path / "x.onnx"), "--opset", opset] + _base(sd15_folder)) == 2
+    err = capsys.readouterr().err
+    assert f"opset {opset} is not supported" in err and "18..23" in err and one_error_line(err)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -201,7 +404,7 @@ def test_cuda_session_parity(exported, unet):
 def test_importance_export_matches_compiled_path(tmp_path, unet):
     config = ToMeConfig(ratio=0.5, method="importance", seed=0)
     result = export_onnx(copy.deepcopy(unet), tmp_path / "imp.onnx", config, height=HW, width=HW, seq_len=7,
-                         atol=1e-4)
+                         atol=1e-4, partition_input=True)
     assert result.input_names[3:] == ["tome_importance", "tome_has_map", "tome_dst_key", "tome_partition"]
     model = onnx.load(str(result.path), load_external_data=False)
     assert sum(n.op_type == "If" for n in model.graph.node) == 3  # one per site: importance | ToMe plan
@@ -215,6 +418,29 @@ def test_importance_export_matches_compiled_path(tmp_path, unet):
         assert (got - call(compiled, inputs)).abs().max() < 1e-4
         assert torch.allclose(session.importance.map, backend.importance.map, atol=1e-5)
     assert session.importance.calls == 3
+
+
+def test_importance_default_export_runs_with_standard_inputs(tmp_path, unet):
+    config = ToMeConfig(ratio=0.5, method="importance", seed=0)
+    result = export_onnx(copy.deepcopy(unet), tmp_path / "imp.onnx", config, height=HW, width=HW, seq_len=7,
+                         atol=1e-4)
+    assert result.input_names[3:] == ["tome_importance", "tome_has_map", "tome_seed"]
+    assert sorted(result.optional_inputs) == ["tome_has_map", "tome_importance", "tome_seed"]
+    session = ort_session(result.path)
+    feed = standard_feed(2)
+    plain = session.run(None, feed)[0]  # no map yet: the ToMe fallback branch
+    with_defaults = session.run(None, {**feed, "tome_has_map": np.array(False),
+                                       "tome_importance": np.zeros((1, 16, 16), np.float32)})[0]
+    assert np.array_equal(plain, with_defaults)
+    mapped = session.run(None, {**feed, "tome_has_map": np.array(True),
+                                "tome_importance": np.random.default_rng(0).random((1, 16, 16), np.float32)})[0]
+    assert np.abs(mapped - plain).max() > 1e-4  # the importance branch merges other tokens
+    # through ToMeSession: step 1 without a map, step 2 with the previous step's
+    tome_session = ToMeSession(result.path, seed=0)
+    inputs = tiny_inputs(unet)
+    for t in (999, 900):
+        tome_session(inputs.sample, t, inputs.encoder_hidden_states)
+    assert tome_session.importance.calls == 2 and tome_session.importance.map is not None
 
 
 # Issue #9 items 7-9: a foreign model folder, bad sizes, disk full, SIGTERM, stale temp folders.
@@ -328,3 +554,15 @@ def test_sigterm_cleans_up(tmp_path, sd15_folder):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143 and "SIGTERM" in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_session_io_binding_equals_numpy_path(exported, unet):
+    # The CUDA EP path (tensors bound by pointer, output written into a torch tensor), run on CPU.
+    inputs = tiny_inputs(unet)
+    plain = ToMeSession(exported.path, seed=0, io_binding=False)
+    bound = ToMeSession(exported.path, seed=0, io_binding=True)
+    a = plain(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
+    b = bound(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
+    assert bound.io_binding and torch.equal(a, b)
+    with pytest.raises(ToMeExportError, match="fixed per export"):
+        bound(torch.zeros(2, 4, 8, 8), 1, torch.zeros(2, 7, 32))

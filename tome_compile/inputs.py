@@ -24,7 +24,9 @@ __all__ = ["DRAWS", "ToMeInputSpec", "draw_tome_inputs"]
 #   importance [P, H, W] float32          the guidance map of the previous call (zeros: none yet)
 #   has_map    [] bool                    whether ``importance`` holds a map (picks the plan in-graph)
 #   dst_key    [P, M] float32             uniform keys for importance's destination draw, when there is a map
-DRAWS = ("partition", "importance", "has_map", "dst_key")
+#   seed       [] int64                   in-graph random form (ONNX deployment): the graph hashes
+#                                         partition / keys from it and the timestep; fed the sampler's seed
+DRAWS = ("partition", "importance", "has_map", "dst_key", "seed")
 
 _DTYPES = {"int64": torch.int64, "float32": torch.float32, "bool": torch.bool}
 
@@ -82,6 +84,8 @@ def draw_tome_inputs(specs: Sequence[ToMeInputSpec], sampler: PartitionSampler,
             value = spec.zeros(device) if importance is None else importance.to(device, torch.float32)
         elif spec.draw == "has_map":
             value = torch.tensor(importance is not None, device=device)
+        elif spec.draw == "seed":
+            value = torch.tensor(sampler.seed or 0, dtype=torch.int64, device=device)
         else:  # dst_key
             value = (sampler.draw_keys(spec.shape[0], spec.shape[1], device) if importance is not None
                      else spec.zeros(device))

@@ -27,6 +27,8 @@ import torch
 __all__ = [
     "destination_partition",
     "fit_importance",
+    "hashed_keys",
+    "hashed_partition",
     "importance_or_tome_plan",
     "importance_partition",
     "importance_plan",
@@ -35,6 +37,7 @@ __all__ = [
     "oracle_merge",
     "oracle_unmerge",
     "partition_cells",
+    "row_max",
     "tie_free_order",
     "tome_plan",
     "unmerge_tokens",
@@ -130,7 +133,10 @@ def _cosine_matches(
     metric: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Best destination of each source by cosine similarity: ``(score [B, Ns], dst [B, Ns])``."""
-    unit = metric / metric.norm(dim=-1, keepdim=True)
+    # sqrt(sum(x*x)) rather than norm(), and argmax + gather rather than max(dim): the ONNX forms
+    # (ReduceSum, ArgMax) are ones ONNX Runtime's symbolic shape inference reads; ReduceL2 and
+    # ReduceMax with axes as an input (opset 18) stop it, and with it the optimizer's fusions.
+    unit = metric / (metric * metric).sum(dim=-1, keepdim=True).sqrt()
     if src_idx.dim() == 1:
         a = unit.index_select(1, src_idx)
         b = unit.index_select(1, dst_idx)
@@ -138,7 +144,13 @@ def _cosine_matches(
         c = unit.shape[-1]
         a = unit.gather(1, src_idx.unsqueeze(-1).expand(-1, -1, c))
         b = unit.gather(1, dst_idx.unsqueeze(-1).expand(-1, -1, c))
-    return (a @ b.transpose(-1, -2)).max(dim=-1)
+    return row_max(a @ b.transpose(-1, -2))
+
+
+def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.max(dim=-1)`` as ``(values, indices)``, first index on ties, via argmax + gather."""
+    index = x.argmax(dim=-1, keepdim=True)
+    return x.gather(-1, index).squeeze(-1), index.squeeze(-1)
 
 
 def tome_plan(
@@ -183,7 +195,7 @@ def importance_partition(
     device = importance.device
     imp = importance.reshape(p, n).to(torch.float32)
     # Unique keys: importance rank, ties by token index (every backend picks the same pool).
-    imp = imp / imp.amax(dim=-1, keepdim=True).clamp_min(1e-30)  # scale-free, for tie_free_order
+    imp = imp / row_max(imp)[0].unsqueeze(-1).clamp_min(1e-30)  # scale-free, for tie_free_order
     pool = tie_free_order(imp)[:, :m]  # [P, M]
     if dst_key is None:
         pick = torch.arange(nd, device=device).expand(p, nd)  # the most important of the pool
@@ -319,3 +331,48 @@ def oracle_merge(x: torch.Tensor, r: int) -> torch.Tensor:
 def oracle_unmerge(y: torch.Tensor, r: int) -> torch.Tensor:
     """Benchmark bound: back to ``N`` tokens by repeating the first ``r`` (a plain copy)."""
     return torch.cat([y, y[:, :r]], dim=1)
+
+
+# --- In-graph randomness for deployment (ONNX): a counter-based hash, no Random* op -------------
+# Values stay below 2**31 so every product fits int64 (no overflow in any backend); only integer
+# Mul/Add/Mod/Div, which every ONNX Runtime provider has for int64.
+_HASH_PRIME = 2147483647  # 2**31 - 1
+_HASH_ROUNDS = ((1103515245, 12345), (48271, 2891336453 % _HASH_PRIME), (69621, 7))
+
+
+def _hash_int(x: torch.Tensor) -> torch.Tensor:
+    """Three rounds of an affine step, a squaring and a 16-bit rotation, all mod 2**31 - 1 (affine
+    steps alone compose to one affine map: consecutive counters would give a progression)."""
+    for mul, add in _HASH_ROUNDS:
+        x = (x * mul + add) % _HASH_PRIME
+        x = (x * x + x // 65536) % _HASH_PRIME  # squaring: the non-linear step
+        x = ((x % 65536) * 32768 + x // 65536) % _HASH_PRIME
+    return x
+
+
+def _hash_base(seed: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+    """``[1]`` int64 from the seed and the step's timestep (its first element; x1000, rounded, so
+    fractional timesteps differ too)."""
+    t = (timestep.reshape(-1)[:1].to(torch.float32) * 1000.0).round().to(torch.int64) % _HASH_PRIME
+    s = seed.reshape(-1)[:1].to(torch.int64) % _HASH_PRIME
+    return _hash_int(_hash_int(s) + t)
+
+
+def hashed_counter(seed: torch.Tensor, timestep: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n]`` int64 in ``[0, 2**31 - 1)``: counter ``i`` hashed with ``(seed, timestep)``.
+    Deterministic for a given (seed, timestep), different across steps and across positions."""
+    counter = torch.arange(n, device=timestep.device, dtype=torch.int64)
+    return _hash_int(_hash_base(seed, timestep) + counter)
+
+
+def hashed_partition(seed: torch.Tensor, timestep: torch.Tensor, n: int, choices: int) -> torch.Tensor:
+    """A destination partition drawn in the graph: ``[n]`` int64 in ``[0, choices)`` (the layout
+    of a drawn ``tome_partition``: every random block's cells, concatenated)."""
+    return (hashed_counter(seed, timestep, n) // 1024) % choices
+
+
+def hashed_keys(seed: torch.Tensor, timestep: torch.Tensor, like: torch.Tensor, m: int) -> torch.Tensor:
+    """Importance's destination keys drawn in the graph: ``[P, m]`` float32 in ``[0, 1)``, the
+    same keys for every CFG pair (``P = like.shape[0]``)."""
+    keys = (hashed_counter(seed, timestep, m) // 128).to(torch.float32) * (1.0 / 2 ** 24)
+    return keys.unsqueeze(0).expand(like.shape[0], m)

@@ -1,0 +1,71 @@
+"""Small rewrites of the exported ONNX graph (``onnx_ir``), applied before it is saved.
+
+* :func:`keep_scatter_fp32` — ``ScatterElements(reduction="add")`` has no float16 kernel in ONNX
+  Runtime's CPU EP (the session fails at the first call): in an fp16 export the merge's segment sum
+  runs in float32 between two casts (also more exact: fp16 sums of up to ``sx*sy`` tokens).
+* :func:`set_input_defaults` — make the ToMe inputs optional: each gets an initializer of the same
+  name (ONNX IR >= 4), the value a client that omits the input gets (seed 0, "no map yet").
+* :func:`count_ops` — structure checks (how many fused attentions the file holds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+__all__ = ["count_ops", "keep_scatter_fp32", "set_input_defaults"]
+
+
+def keep_scatter_fp32(model: object) -> int:
+    """Cast the data and updates of every float16 ``ScatterElements`` with a reduction to float32
+    and its output back. Returns how many nodes were wrapped."""
+    import onnx_ir as ir
+
+    graph = model.graph  # type: ignore[attr-defined]
+    wrapped = 0
+    for node in list(graph):
+        reduction = node.attributes.get("reduction")
+        if node.op_type != "ScatterElements" or reduction is None or reduction.as_string() == "none":
+            continue
+        data, indices, updates = node.inputs
+        if data.dtype != ir.DataType.FLOAT16:
+            continue
+        up = [ir.node("Cast", [v], attributes={"to": ir.DataType.FLOAT}) for v in (data, updates)]
+        out = node.outputs[0]
+        scatter = ir.node("ScatterElements", [up[0].outputs[0], indices, up[1].outputs[0]],
+                          attributes={k: v for k, v in node.attributes.items()})
+        scatter.outputs[0].dtype = ir.DataType.FLOAT
+        down = ir.node("Cast", [scatter.outputs[0]], attributes={"to": ir.DataType.FLOAT16})
+        graph.insert_before(node, [*up, scatter, down])
+        new = down.outputs[0]
+        ir.convenience.replace_all_uses_with(out, new)
+        if out in graph.outputs:
+            graph.outputs[graph.outputs.index(out)] = new
+        name, shape = out.name, out.shape
+        graph.remove(node, safe=True)
+        new.name, new.shape, new.dtype = name, shape, ir.DataType.FLOAT16
+        wrapped += 1
+    return wrapped
+
+
+def set_input_defaults(model: object, defaults: Mapping[str, np.ndarray]) -> list[str]:
+    """Give the named graph inputs a default (an initializer of the same name). Returns the names set."""
+    import onnx_ir as ir
+
+    graph = model.graph  # type: ignore[attr-defined]
+    done = []
+    for value in graph.inputs:
+        if value.name in defaults:
+            value.const_value = ir.tensor(np.asarray(defaults[value.name]), name=value.name)
+            graph.register_initializer(value)
+            done.append(value.name)
+    return done
+
+
+def count_ops(model: object, op_type: str, domain: str = "") -> int:
+    """Nodes of ``domain::op_type`` in the main graph and its subgraphs (If branches)."""
+    import onnx_ir as ir
+
+    return sum(1 for node in ir.traversal.RecursiveGraphIterator(model.graph)  # type: ignore[attr-defined]
+               if node.op_type == op_type and node.domain == domain)
