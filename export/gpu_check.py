@@ -3,7 +3,9 @@
     python -m tome_compile.export.gpu_check --out /tmp/gpu-check      # needs CUDA + onnxruntime-gpu
 
 For fp32 and fp16: exports the SD 1.5 architecture (random weights) at 512² batch 2 twice —
-ratio 0 (baseline) and ToMe at ``--ratio`` — creates CUDA EP sessions, checks ORT-CUDA against
+ratio 0 (baseline) and ToMe at ``--ratio`` (``--partition-input``, so the partition is the one
+``tome_backend`` draws) — both with fused MultiHeadAttention and ORT's transformer optimizer for
+CUDA, creates CUDA EP sessions (``ToMeSession``: IO binding), checks ORT-CUDA against
 PyTorch-CUDA on the same inputs and partition, and prints median latencies side by side.
 Exits 2 with one line when there is no CUDA or no CUDA EP, so it is safe to run anywhere.
 """
@@ -32,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "fp16"], choices=["fp32", "fp16"])
+    parser.add_argument("--no-optimize", action="store_true", help="skip ORT's transformer optimizer (cuda)")
     args = parser.parse_args(argv)
 
     import onnxruntime as ort
@@ -57,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             path = out / f"{args.model}_{dtype_name}_{'base' if ratio == 0 else 'tome'}.onnx"
             result = export_onnx(unet, path, ToMeConfig(ratio=ratio, seed=0),
                                  batch=args.batch, height=args.size, width=args.size, fp16=fp16, force=True,
-                                 check_parity=False)
+                                 check_parity=False, partition_input=True,
+                                 optimize=None if args.no_optimize else "cuda")
             session = ToMeSession(result.path, seed=0)
             assert session.provider == "CUDAExecutionProvider", session.provider
             # Parity: ORT CUDA vs the PyTorch model on CUDA, same inputs and partition.

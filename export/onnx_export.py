@@ -17,6 +17,7 @@ stored in the model's ``metadata_props["tome_compile"]``.
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import logging
 import os
@@ -355,6 +356,8 @@ def export_onnx(
             program.save(str(tmp_model), external_data=True)
         except Exception as e:
             raise _write_error(e, parent) from e
+        del program  # the in-memory ONNX model: the checks below load the file (SD 1.5: 3.4 GB each)
+        gc.collect()
         times["convert"] = time.perf_counter() - start
 
         step("checking the op inventory")
@@ -378,6 +381,7 @@ def export_onnx(
                        for name, a in zip(names, args)]
                 _parity(export, session, gm, tuple(one), extra, fp16, atol)
             del session
+            gc.collect()
             times["parity"] = time.perf_counter() - start
         final = tmp_model
         if optimize:
@@ -454,6 +458,8 @@ def optimize_for_ort(src: Path, dst: Path, provider: str) -> dict[str, int]:
     for node in model.model.graph.node:
         if node.op_type in _FUSED_OPS:
             counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    del model
+    gc.collect()
     return counts
 
 

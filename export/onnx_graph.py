@@ -22,21 +22,25 @@ def keep_scatter_fp32(model: object) -> int:
     and its output back. Returns how many nodes were wrapped."""
     import onnx_ir as ir
 
-    graph = model.graph  # type: ignore[attr-defined]
-    wrapped = 0
-    for node in list(graph):
+    wrapped = 0  # the main graph and the If branches of importance exports
+    for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):  # type: ignore[attr-defined]
+        graph = node.graph
         reduction = node.attributes.get("reduction")
         if node.op_type != "ScatterElements" or reduction is None or reduction.as_string() == "none":
             continue
         data, indices, updates = node.inputs
-        if data.dtype != ir.DataType.FLOAT16:
+        if data.dtype != ir.DataType.FLOAT16 or graph is None:
             continue
-        up = [ir.node("Cast", [v], attributes={"to": ir.DataType.FLOAT}) for v in (data, updates)]
         out = node.outputs[0]
+        base = out.name or f"scatter_{wrapped}"  # explicit names: If branches have their own namers
+        up = [ir.node("Cast", [v], attributes={"to": ir.DataType.FLOAT}, name=f"{base}_cast_{i}",
+                      outputs=[ir.Value(name=f"{base}_fp32_{i}")]) for i, v in enumerate((data, updates))]
         scatter = ir.node("ScatterElements", [up[0].outputs[0], indices, up[1].outputs[0]],
-                          attributes={k: v for k, v in node.attributes.items()})
+                          attributes={k: v for k, v in node.attributes.items()}, name=f"{base}_scatter_fp32",
+                          outputs=[ir.Value(name=f"{base}_sum_fp32")])
         scatter.outputs[0].dtype = ir.DataType.FLOAT
-        down = ir.node("Cast", [scatter.outputs[0]], attributes={"to": ir.DataType.FLOAT16})
+        down = ir.node("Cast", [scatter.outputs[0]], attributes={"to": ir.DataType.FLOAT16}, name=f"{base}_cast_back",
+                       outputs=[ir.Value(name=f"{base}_fp16")])
         graph.insert_before(node, [*up, scatter, down])
         new = down.outputs[0]
         ir.convenience.replace_all_uses_with(out, new)

@@ -84,7 +84,7 @@ def test_shared_plan_export_equals_the_compiled_backend(tmp_path, sd15):
     unet, inputs = sd15
     config = ToMeConfig(ratio=0.5, share_plan=True, seed=0)
     result = export_onnx(copy.deepcopy(unet), tmp_path / "shared.onnx", config, height=128, width=128, seq_len=7,
-                         atol=1e-4)
+                         atol=1e-4, partition_input=True)
     assert result.parity_max_abs is not None and result.parity_max_abs <= 1e-4
     (spec,) = [s for s in result.report.inputs if s.draw == "partition"]
     assert spec.cells == ((8, 8),)  # one draw for the level, not three
