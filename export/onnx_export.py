@@ -16,8 +16,10 @@ stored in the model's ``metadata_props["tome_compile"]``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
+import io
 import json
 import logging
 import os
@@ -168,10 +170,11 @@ def check_opset(opset: int) -> int:
     return opset
 
 
-def _sdpa_count(gm: fx.GraphModule) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function"
-               and n.target in (torch.ops.aten.scaled_dot_product_attention.default,
-                                torch.nn.functional.scaled_dot_product_attention))
+def _attention_count(unet: torch.nn.Module) -> int:
+    """The U-Net's attention layers (diffusers ``Attention`` modules): each must become one fused node."""
+    from diffusers.models.attention_processor import Attention
+
+    return sum(isinstance(m, Attention) for m in unet.modules())
 
 
 def _dynamic_shapes(names: list[str], n_extra: int, dynamic: bool) -> tuple[Any, ...] | None:
@@ -206,12 +209,18 @@ def _convert(gm: fx.GraphModule, example: tuple[torch.Tensor, ...], input_names:
              dynamic_shapes: tuple[Any, ...] | None, portable: bool) -> Any:
     from tome_compile.export.attention import attention_translation_table
 
+    # The exporter tries several capture strategies; a failed one (importance's torch.cond under
+    # its first, symbolic-size strategy) prints the whole partial graph to stderr before the next
+    # one succeeds. That text is kept out of the user's terminal (logged at DEBUG).
+    chatter = io.StringIO()
     try:
-        program = torch.onnx.export(
-            gm, example, dynamo=True, opset_version=opset, input_names=input_names,
-            output_names=[OUTPUT_NAME], dynamic_shapes=dynamic_shapes, external_data=True, verbose=False,
-            custom_translation_table=None if portable else attention_translation_table())
+        with contextlib.redirect_stderr(chatter):
+            program = torch.onnx.export(
+                gm, example, dynamo=True, opset_version=opset, input_names=input_names,
+                output_names=[OUTPUT_NAME], dynamic_shapes=dynamic_shapes, external_data=True, verbose=False,
+                custom_translation_table=None if portable else attention_translation_table())
     except Exception as e:
+        logger.debug("exporter output:\n%s", chatter.getvalue())
         cause = e
         while cause.__cause__ is not None:
             cause = cause.__cause__
@@ -313,7 +322,7 @@ def export_onnx(
     result = merge_self_attention(gm, config, oracle=oracle, in_graph_fallback=True,
                                   in_graph_random=not partition_input)
     _assert_no_scatter_mean(gm)
-    attentions = _sdpa_count(gm)
+    attentions = _attention_count(unet)
     extra = _example_tome_inputs(result, seed)
     input_names = names + result.input_names
 

@@ -101,6 +101,16 @@ def test_portable_export_has_no_contrib_ops(tmp_path, unet):
     assert sum(n.op_type == "Softmax" for n in model.graph.node) == 8
 
 
+def test_unfusable_attention_is_refused_not_half_fused(tmp_path, unet):
+    from diffusers.models.attention_processor import AttnProcessor
+
+    classic = copy.deepcopy(unet)
+    classic.set_attn_processor(AttnProcessor())  # baddbmm + softmax: no scaled_dot_product_attention
+    with pytest.raises(ToMeExportError, match="0 of the U-Net's 8 attentions became MultiHeadAttention.*--portable"):
+        export_onnx(classic, tmp_path / "c.onnx", ToMeConfig(ratio=0.5, seed=0), height=HW, width=HW, seq_len=7)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_any_batch_with_standard_inputs_only(exported, exported_partition):
     from tome_compile.merge import hashed_partition
 
