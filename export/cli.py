@@ -34,7 +34,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="local diffusers U-Net or pipeline folder, or sd15 | sd21 | sdxl (random weights)")
     p.add_argument("--height", type=int, default=512, help="image height in pixels (multiple of 8)")
     p.add_argument("--width", type=int, default=512, help="image width in pixels (multiple of 8)")
-    p.add_argument("--batch", type=int, default=2, help="batch size (2 = one CFG pair)")
+    p.add_argument("--batch", type=int, default=2,
+                   help="batch checked (the file takes any batch unless --static-batch; importance: "
+                        "the batch of the export, 2 = one CFG pair)")
     p.add_argument("--seq-len", type=int, default=77, help="text tokens in encoder_hidden_states (default 77)")
     p.add_argument("--ratio", type=float, default=0.5, help="share of tokens merged (default 0.5)")
     p.add_argument("--max-downsample", type=int, default=1, help="1, 2, 4 or 8 (use 2 for SDXL)")
@@ -122,8 +124,8 @@ def _run(args: argparse.Namespace) -> int:
         if value <= 0 or value % 8:
             raise _UsageError(f"--{name} {value} must be a positive multiple of 8")
     if not 1 <= args.batch <= MAX_BATCH:
-        raise _UsageError(f"--batch {args.batch} is outside [1, {MAX_BATCH}]: the batch is fixed per export; "
-                          "use the batch your pipeline calls the U-Net with (2 = one image with guidance)")
+        raise _UsageError(f"--batch {args.batch} is outside [1, {MAX_BATCH}]: it is the batch the export is "
+                          "checked at (2 = one image with guidance); the file takes any batch anyway")
     if args.seq_len < 1:
         raise _UsageError(f"--seq-len {args.seq_len} must be >= 1 (text tokens; 77 for CLIP)")
     if args.opset is not None:

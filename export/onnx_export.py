@@ -279,8 +279,9 @@ def export_onnx(
     """Export ``unet`` with ToMe applied to ``out`` (+ ``out.data``), checked; see the module doc.
 
     Args:
-        batch: the batch traced and checked; with ``dynamic_batch`` (default) the file takes any
-            batch (importance exports keep this one: their map input is per CFG pair).
+        batch: the batch of a static export; with ``dynamic_batch`` (default) the file takes any
+            batch (traced at ``max(batch, 2)``, checked there and at 1). Importance exports keep
+            ``batch``: their map input is per CFG pair.
         portable: plain ONNX attention (MatMul/Softmax) instead of ``com.microsoft.MultiHeadAttention``.
         partition_input: take the destinations as a ``tome_partition`` input drawn by the caller
             (bit-exact with ``tome_backend(seed=)``) instead of hashing them in the graph from the
@@ -305,12 +306,15 @@ def export_onnx(
     unet = unet.eval()
     sdxl = getattr(unet.config, "addition_embed_type", None) == "text_time"
     names = unet_input_names(unet)
-    inputs = example_inputs(unet, batch=batch, height=height, width=width, seq_len=seq_len, seed=seed,
+    dynamic = dynamic_batch and (config.method != "importance" or not config.enabled)
+    # torch.export specialises a dynamic axis traced at size 1: trace a dynamic batch at >= 2
+    # (the parity check still runs batch 1)
+    traced = max(batch, 2) if dynamic else batch
+    inputs = example_inputs(unet, batch=traced, height=height, width=width, seq_len=seq_len, seed=seed,
                             dtype=dtype)
     # Optimum's and diffusers' ONNX pipelines send the timestep as float32 of shape [1].
     inputs.timestep = torch.tensor([float(inputs.timestep)], dtype=torch.float32)
     args = inputs.args()
-    dynamic = dynamic_batch and (config.method != "importance" or not config.enabled)
 
     step("tracing the U-Net (torch.export)")
     start = time.perf_counter()
@@ -385,7 +389,7 @@ def export_onnx(
             if any(spec.draw == "has_map" for spec in result.inputs):  # the fallback branch too
                 _parity(export, session, gm, args, _example_tome_inputs(result, seed, with_map=False),
                         fp16, atol)
-            if dynamic and batch != 1:  # another batch from the same file
+            if dynamic:  # another batch from the same file
                 one = [a[:1] if name in ("sample", "encoder_hidden_states", "text_embeds", "time_ids") else a
                        for name, a in zip(names, args)]
                 _parity(export, session, gm, tuple(one), extra, fp16, atol)
