@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the exported models")
     parser.add_argument("--json", default="bench_ort.json")
     parser.add_argument("--variants", nargs="+", default=["baseline", "tome", "oracle"],
-                        choices=["baseline", "tome", "oracle"])
+                        choices=["baseline", "tome", "oracle", "shared"],
+                        help="shared: ToMe with share_plan=True (one plan per resolution level)")
     parser.add_argument("--reuse", action="store_true",
                         help="reuse models already exported to --workdir by an earlier run")
     parser.add_argument("--one-session", action="store_true",
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     variants = {"baseline": (ToMeConfig(ratio=0.0), False),
                 f"tome {args.ratio}": (ToMeConfig(ratio=args.ratio, seed=0), False),
-                "oracle": (ToMeConfig(ratio=args.ratio, seed=0), True)}
+                "oracle": (ToMeConfig(ratio=args.ratio, seed=0), True),
+                f"shared {args.ratio}": (ToMeConfig(ratio=args.ratio, seed=0, share_plan=True), False)}
     variants = {k: v for k, v in variants.items() if k.split()[0] in args.variants}
     result: dict[str, Any] = {"model": args.model, "ratio": args.ratio,
                               "optimized": not args.no_optimize,
