@@ -70,7 +70,6 @@ class ExportResult:
     optional_inputs: list[str] = field(default_factory=list)
     fused_attention: int = 0
     fusions: dict[str, int] = field(default_factory=dict)
-    references: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # PyTorch outputs by check
 
 
 def check_output_path(out: str | Path, force: bool) -> Path:
@@ -178,17 +177,19 @@ def _attention_count(unet: torch.nn.Module) -> int:
     return sum(isinstance(m, Attention) for m in unet.modules())
 
 
+# The U-Net inputs with a batch axis (dynamic in the export); the timestep ([1]) and ToMe inputs have none.
+PER_IMAGE_INPUTS = ("sample", "encoder_hidden_states", "text_embeds", "time_ids")
+
+
 def _dynamic_shapes(names: list[str], n_extra: int, dynamic: bool) -> tuple[Any, ...] | None:
-    """Batch axis dynamic on every per-image input; the timestep ([1]) and ToMe inputs static."""
     if not dynamic:
         return None
     batch = torch.export.Dim.DYNAMIC
-    per_image = {"sample", "encoder_hidden_states", "text_embeds", "time_ids"}
-    return tuple({0: batch} if name in per_image else None for name in names) + (None,) * n_extra
+    return tuple({0: batch} if name in PER_IMAGE_INPUTS else None for name in names) + (None,) * n_extra
 
 
-def _trace(unet: torch.nn.Module, args: tuple[torch.Tensor, ...], names: list[str], sdxl: bool,
-           inputs: Any, dynamic: bool) -> fx.GraphModule:
+def _trace(unet: torch.nn.Module, args: tuple[torch.Tensor, ...], sdxl: bool, inputs: Any,
+           dynamic: bool) -> fx.GraphModule:
     """``torch.export`` of the U-Net itself (not a wrapper), so site paths read as in diffusers;
     SDXL's added_cond_kwargs flatten to the text_embeds, time_ids inputs."""
     kwargs: dict[str, Any] = {"return_dict": False}
@@ -240,11 +241,10 @@ def _postprocess(program: Any, result: ToMeResult, fp16: bool, attentions: int, 
 
     model = program.model
     wrapped = keep_scatter_fp32(model) if fp16 else 0
-    defaults = {spec.name: spec.zeros().numpy() for spec in result.inputs
-                if spec.draw in ("seed", "has_map", "importance")}
-    for spec in result.inputs:  # "no map yet": one pair's worth of zeros; the fallback branch runs
-        if spec.draw == "importance":
-            defaults[spec.name] = np.zeros((1, *spec.shape[1:]), dtype=np.float32)
+    # seed 0; "no map yet": has_map False and one pair's worth of zeros (the fallback branch runs)
+    defaults = {spec.name: np.zeros((1, *spec.shape[1:]) if spec.draw == "importance" else spec.shape,
+                                    dtype=spec.zeros().numpy().dtype)
+                for spec in result.inputs if spec.draw in ("seed", "has_map", "importance")}
     optional = set_input_defaults(model, defaults)
     fused = count_ops(model, "MultiHeadAttention", CONTRIB_DOMAIN)
     if not portable and fused != attentions:
@@ -319,7 +319,7 @@ def export_onnx(
 
     step("tracing the U-Net (torch.export)")
     start = time.perf_counter()
-    gm = _trace(unet, args, names, sdxl, inputs, dynamic)
+    gm = _trace(unet, args, sdxl, inputs, dynamic)
     times["trace"] = time.perf_counter() - start
 
     step("rewriting attention sites (ToMe pass)")
@@ -382,18 +382,18 @@ def export_onnx(
                               inventory=inventory, seconds=times, optional_inputs=post["optional_inputs"],
                               fused_attention=post["fused_attention"])
 
+        references: dict[str, np.ndarray] = {}  # PyTorch outputs by check, reused for the optimised graph
         if check_parity:
             step("checking parity: ONNX Runtime vs PyTorch (same inputs and partition)")
             start = time.perf_counter()
             session = _session(tmp_model)
-            _parity(export, session, gm, args, extra, fp16, atol)
+            _parity(export, session, gm, args, extra, fp16, atol, references)
             if any(spec.draw == "has_map" for spec in result.inputs):  # the fallback branch too
                 _parity(export, session, gm, args, _example_tome_inputs(result, seed, with_map=False),
-                        fp16, atol, key="no map")
+                        fp16, atol, references, key="no map")
             if dynamic:  # another batch from the same file
-                one = [a[:1] if name in ("sample", "encoder_hidden_states", "text_embeds", "time_ids") else a
-                       for name, a in zip(names, args)]
-                _parity(export, session, gm, tuple(one), extra, fp16, atol, key="batch 1")
+                one = [a[:1] if name in PER_IMAGE_INPUTS else a for name, a in zip(names, args)]
+                _parity(export, session, gm, tuple(one), extra, fp16, atol, references, key="batch 1")
             del session
             gc.collect()
             times["parity"] = time.perf_counter() - start
@@ -405,7 +405,7 @@ def export_onnx(
             final.parent.mkdir()
             export.fusions = optimize_for_ort(tmp_model, final, optimize)
             if check_parity and _can_run(optimize):
-                _parity(export, _session(final), gm, args, extra, fp16, atol)
+                _parity(export, _session(final), gm, args, extra, fp16, atol, references)
             elif check_parity:
                 logger.warning("parity of the CUDA-optimised graph needs the CUDA EP (its fused ops have no "
                                "CPU kernel); the unoptimised graph passed")
@@ -435,9 +435,7 @@ def _example_tome_inputs(result: ToMeResult, seed: int, with_map: bool = True) -
 
 
 def _can_run(provider: str) -> bool:
-    import onnxruntime as ort
-
-    return provider == "cpu" or "CUDAExecutionProvider" in ort.get_available_providers()
+    return provider == "cpu" or "CUDAExecutionProvider" in default_providers()
 
 
 # ORT's Stable Diffusion fusions that have CUDA kernels only (ONNX Runtime 1.32's CPU EP has none)
@@ -477,26 +475,33 @@ def optimize_for_ort(src: Path, dst: Path, provider: str) -> dict[str, int]:
     return counts
 
 
+def default_providers() -> list[str]:
+    """CUDA EP (falling back to CPU) where onnxruntime has it, else CPU."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
 def _session(path: Path) -> Any:
     import onnxruntime as ort
 
-    available = ort.get_available_providers()
-    providers = (["CUDAExecutionProvider", "CPUExecutionProvider"]
-                 if "CUDAExecutionProvider" in available else ["CPUExecutionProvider"])
-    return ort.InferenceSession(str(path), providers=providers)
+    return ort.InferenceSession(str(path), providers=default_providers())
 
 
 def _parity(export: ExportResult, session: Any, gm: fx.GraphModule, args: tuple[torch.Tensor, ...],
-            extra: list[torch.Tensor], fp16: bool, atol: float | None, key: str = "traced") -> None:
+            extra: list[torch.Tensor], fp16: bool, atol: float | None, references: dict[str, np.ndarray],
+            key: str = "traced") -> None:
     """ORT vs PyTorch on the same inputs; the PyTorch output is kept under ``key`` (the optimised
     graph is checked against the same reference without running the model again)."""
     feed = {name: t.detach().cpu().numpy() for name, t in zip(export.input_names, tuple(args) + tuple(extra))}
     got = session.run([OUTPUT_NAME], feed)[0].astype(np.float32)
-    if key not in export.references:
+    if key not in references:
         with torch.no_grad():
             out = gm(*args, *extra)
-        export.references[key] = (out[0] if isinstance(out, (tuple, list)) else out).float().cpu().numpy()
-    ref = export.references[key]
+        references[key] = (out[0] if isinstance(out, (tuple, list)) else out).float().cpu().numpy()
+    ref = references[key]
     diff = np.abs(got - ref)
     # several checks (both importance branches, another batch): the report keeps the worst
     export.parity_max_abs = max(float(diff.max()), export.parity_max_abs or 0.0)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tome_compile.export.onnx_export import METADATA_KEY, METADATA_VERSION
+from tome_compile.export.onnx_export import METADATA_KEY, METADATA_VERSION, default_providers
 from tome_compile.passes import SEED_INPUT
 
 from tome_compile.errors import ToMeExportError
@@ -75,9 +75,7 @@ class ToMeSession:
         self.specs = [ToMeInputSpec.from_json(d) for d in self.meta.get("tome_inputs", [])]
         self._uses_map = any(spec.draw == "importance" for spec in self.specs)
         if providers is None:
-            available = ort.get_available_providers()
-            providers = (["CUDAExecutionProvider", "CPUExecutionProvider"]
-                         if "CUDAExecutionProvider" in available else ["CPUExecutionProvider"])
+            providers = default_providers()
         self.session = ort.InferenceSession(str(path), sess_options=session_options,
                                             providers=list(providers))
         self.provider = self.session.get_providers()[0]
@@ -129,12 +127,9 @@ class ToMeSession:
         output written into a torch tensor allocated on ``device``)."""
         # ONNX Runtime cannot bind an optional input (an initializer with a default): such a call
         # takes the plain path; a default value is simply left out.
-        optional = {k for k in feed if k not in self.inputs}
-        for name in list(optional):
-            value = feed[name]
-            if name == SEED_INPUT and isinstance(value, np.ndarray) and not value.any():  # the default, 0
-                del feed[name]
-                optional.discard(name)
+        if SEED_INPUT in feed and not feed[SEED_INPUT].any():  # the default, 0
+            del feed[SEED_INPUT]
+        optional = [k for k in feed if k not in self.inputs]
         if not self.io_binding or optional:
             arrays = {k: v.cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in feed.items()}
             return torch.from_numpy(self.session.run(None, arrays)[0]).to(device)

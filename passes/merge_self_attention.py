@@ -199,7 +199,7 @@ def _hashed_inputs(gm: fx.GraphModule, add: Callable[[ToMeInputSpec], None], nod
     """Deployment form of the random draws: a ``tome_seed`` input, and the partition / keys hashed
     from it and the timestep inside the graph (no Random* op, no non-standard input needed)."""
     io = _sites.find_unet_io(gm)
-    if io is None or io.timestep_index is None:
+    if io.timestep_index is None:
         raise ToMeRewriteError("in-graph random destinations need the timestep as a graph input; "
                                "none was found (pass in_graph_random=False to take tome_partition)")
     timestep = [n for n in gm.graph.nodes if n.op == "placeholder"][io.timestep_index]
