@@ -62,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--merge-mlp", action="store_true")
     p.add_argument("--share-plan", action="store_true",
                    help="one plan per resolution level per call (reused by the level's other blocks)")
+    p.add_argument("--plan-every", type=int, default=1, metavar="K",
+                   help="plan on every K-th call and reuse the plans in between (default 1: every call); "
+                        "adds the tome_plan_slots/_weights and tome_reuse_plan inputs and two outputs, "
+                        "which ToMeSession feeds back")
     p.add_argument("--method", default="tome", choices=["tome", "importance"])
     p.add_argument("--opset", type=int, default=20, help="ONNX opset 18..23 (default 20; 23 has no CUDA group norm)")
     p.add_argument("--fp16", action="store_true",
@@ -133,7 +137,8 @@ def _run(args: argparse.Namespace) -> int:
     out, replaced = _destination(args)
     config = ToMeConfig(ratio=args.ratio, max_downsample=args.max_downsample, sx=args.sx, sy=args.sy,
                         use_rand=not args.no_rand, merge_crossattn=args.merge_crossattn,
-                        merge_mlp=args.merge_mlp, method=args.method, seed=0, share_plan=args.share_plan)
+                        merge_mlp=args.merge_mlp, method=args.method, seed=0, share_plan=args.share_plan,
+                        plan_every=args.plan_every)
     if args.model not in ARCHITECTURES and not Path(args.model).exists():
         raise _UsageError(f"--model {args.model!r}: no such folder, and not one of {ARCHITECTURES}")
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 from tome_compile.export.inventory import InventoryReport, check_op_inventory
-from tome_compile.passes import ToMeResult, merge_self_attention
+from tome_compile.passes import PLAN_SLOTS, PLAN_WEIGHTS, ToMeResult, merge_self_attention
 from torch import fx
 
 from tome_compile.config import ToMeConfig
@@ -177,15 +177,17 @@ def _attention_count(unet: torch.nn.Module) -> int:
     return sum(isinstance(m, Attention) for m in unet.modules())
 
 
-# The U-Net inputs with a batch axis (dynamic in the export); the timestep ([1]) and ToMe inputs have none.
+# The U-Net inputs with a batch axis (dynamic in the export); the timestep ([1]) and ToMe inputs
+# have none (plan_every's flat plan state grows with the batch: its one axis is dynamic too).
 PER_IMAGE_INPUTS = ("sample", "encoder_hidden_states", "text_embeds", "time_ids")
+_FLAT_STATE = (PLAN_SLOTS, PLAN_WEIGHTS)
 
 
-def _dynamic_shapes(names: list[str], n_extra: int, dynamic: bool) -> tuple[Any, ...] | None:
+def _dynamic_shapes(names: list[str], dynamic: bool) -> tuple[Any, ...] | None:
     if not dynamic:
         return None
     batch = torch.export.Dim.DYNAMIC
-    return tuple({0: batch} if name in PER_IMAGE_INPUTS else None for name in names) + (None,) * n_extra
+    return tuple({0: batch} if name in PER_IMAGE_INPUTS + _FLAT_STATE else None for name in names)
 
 
 def _trace(unet: torch.nn.Module, args: tuple[torch.Tensor, ...], sdxl: bool, inputs: Any,
@@ -208,7 +210,7 @@ def _trace(unet: torch.nn.Module, args: tuple[torch.Tensor, ...], sdxl: bool, in
 
 
 def _convert(gm: fx.GraphModule, example: tuple[torch.Tensor, ...], input_names: list[str], opset: int,
-             dynamic_shapes: tuple[Any, ...] | None, portable: bool) -> Any:
+             dynamic_shapes: tuple[Any, ...] | None, portable: bool, output_names: list[str]) -> Any:
     from tome_compile.export.attention import attention_translation_table
 
     # The exporter tries several capture strategies; a failed one (importance's torch.cond under
@@ -219,7 +221,7 @@ def _convert(gm: fx.GraphModule, example: tuple[torch.Tensor, ...], input_names:
         with contextlib.redirect_stderr(chatter):
             program = torch.onnx.export(
                 gm, example, dynamo=True, opset_version=opset, input_names=input_names,
-                output_names=[OUTPUT_NAME], dynamic_shapes=dynamic_shapes, external_data=True, verbose=False,
+                output_names=output_names, dynamic_shapes=dynamic_shapes, external_data=True, verbose=False,
                 custom_translation_table=None if portable else attention_translation_table())
     except Exception as e:
         logger.debug("exporter output:\n%s", chatter.getvalue())
@@ -234,17 +236,21 @@ def _convert(gm: fx.GraphModule, example: tuple[torch.Tensor, ...], input_names:
     return program
 
 
-def _postprocess(program: Any, result: ToMeResult, fp16: bool, attentions: int, portable: bool) -> dict[str, Any]:
+def _postprocess(program: Any, result: ToMeResult, fp16: bool, attentions: int, portable: bool,
+                 dynamic: bool) -> dict[str, Any]:
     """fp16 scatter in float32, optional ToMe inputs, and the fused-attention count check."""
     from tome_compile.export.attention import CONTRIB_DOMAIN
     from tome_compile.export.onnx_graph import count_ops, keep_scatter_fp32, set_input_defaults
 
     model = program.model
     wrapped = keep_scatter_fp32(model) if fp16 else 0
-    # seed 0; "no map yet": has_map False and one pair's worth of zeros (the fallback branch runs)
-    defaults = {spec.name: np.zeros((1, *spec.shape[1:]) if spec.draw == "importance" else spec.shape,
-                                    dtype=spec.zeros().numpy().dtype)
-                for spec in result.inputs if spec.draw in ("seed", "has_map", "importance")}
+    # seed 0; "no map yet": has_map False and one pair's worth of zeros (the fallback branch runs);
+    # "no plans yet": reuse False and empty plans (the planning branch runs; a static batch keeps
+    # the declared size)
+    empty = (lambda s: (0,)) if dynamic else tuple
+    shapes = {"importance": lambda s: (1, *s[1:]), "plan_slot": empty, "plan_weight": empty}
+    defaults = {spec.name: np.zeros(shapes.get(spec.draw, tuple)(spec.shape), dtype=spec.zeros().numpy().dtype)
+                for spec in result.inputs if spec.draw in ("seed", "has_map", "reuse", *shapes)}
     optional = set_input_defaults(model, defaults)
     fused = count_ops(model, "MultiHeadAttention", CONTRIB_DOMAIN)
     if not portable and fused != attentions:
@@ -324,8 +330,10 @@ def export_onnx(
 
     step("rewriting attention sites (ToMe pass)")
     # One graph for both kinds of importance step: a tome_has_map input picks the plan (ONNX If).
+    # plan_every: one graph that makes or reuses the plans per call (a tome_reuse_plan input, ONNX If)
     result = merge_self_attention(gm, config, oracle=oracle, in_graph_fallback=True,
-                                  in_graph_random=not partition_input)
+                                  in_graph_random=not partition_input,
+                                  plan_state="either" if config.plan_every > 1 else None)
     _assert_no_scatter_mean(gm)
     attentions = _attention_count(unet)
     extra = _example_tome_inputs(result, seed)
@@ -337,6 +345,8 @@ def export_onnx(
         "inputs": input_names,
         "tome_inputs": [spec.to_json() for spec in result.inputs],
         "output": OUTPUT_NAME,
+        "tome_outputs": [spec.to_json() for spec in result.outputs],
+        "plan_every": config.plan_every,
         "batch": "dynamic" if dynamic else batch,
         "height": height,
         "width": width,
@@ -361,8 +371,9 @@ def export_onnx(
         step(f"converting to ONNX (opset {opset})")
         start = time.perf_counter()
         program = _convert(gm, tuple(args) + tuple(extra), input_names, opset,
-                           _dynamic_shapes(names, len(extra), dynamic), portable)
-        post = _postprocess(program, result, fp16, attentions, portable)
+                           _dynamic_shapes(input_names, dynamic), portable,
+                           [OUTPUT_NAME] + [spec.name for spec in result.outputs])
+        post = _postprocess(program, result, fp16, attentions, portable, dynamic)
         meta.update(post)
         program.model.metadata_props[METADATA_KEY] = json.dumps(meta, default=str)
         tmp_model = tmp / out.name
@@ -391,9 +402,17 @@ def export_onnx(
             if any(spec.draw == "has_map" for spec in result.inputs):  # the fallback branch too
                 _parity(export, session, gm, args, _example_tome_inputs(result, seed, with_map=False),
                         fp16, atol, references, key="no map")
+            if result.outputs:  # plan_every: the reusing branch, fed the plans PyTorch just made
+                with torch.no_grad():
+                    made = gm(*args, *extra)
+                reuse = draw_tome_inputs(result.inputs, PartitionSampler(seed), None, "cpu",
+                                         plans=(made[1], made[2]))
+                _parity(export, session, gm, args, reuse, fp16, atol, references, key="reused plans")
             if dynamic:  # another batch from the same file
                 one = [a[:1] if name in PER_IMAGE_INPUTS else a for name, a in zip(names, args)]
-                _parity(export, session, gm, tuple(one), extra, fp16, atol, references, key="batch 1")
+                one_extra = [e[: e.numel() // traced] if spec.name in _FLAT_STATE else e
+                             for spec, e in zip(result.inputs, extra)]  # one image's share of the plans
+                _parity(export, session, gm, tuple(one), one_extra, fp16, atol, references, key="batch 1")
             del session
             gc.collect()
             times["parity"] = time.perf_counter() - start

@@ -25,7 +25,7 @@ from tome_compile.export.onnx_export import METADATA_KEY, METADATA_VERSION, defa
 from tome_compile.passes import SEED_INPUT
 
 from tome_compile.errors import ToMeExportError
-from tome_compile.importance import ImportanceState
+from tome_compile.importance import StepState
 from tome_compile.inputs import ToMeInputSpec, draw_tome_inputs
 from tome_compile.sampler import PartitionSampler
 
@@ -74,6 +74,9 @@ class ToMeSession:
                                   "export it again with this tome-export")
         self.specs = [ToMeInputSpec.from_json(d) for d in self.meta.get("tome_inputs", [])]
         self._uses_map = any(spec.draw == "importance" for spec in self.specs)
+        # plan_every exports return their plans as extra outputs; later calls feed them back
+        self._keeps_plans = bool(self.meta.get("tome_outputs"))
+        self.plan_every = int(self.meta.get("plan_every", 1))
         if providers is None:
             providers = default_providers()
         self.session = ort.InferenceSession(str(path), sess_options=session_options,
@@ -82,14 +85,14 @@ class ToMeSession:
         logger.info("ToMeSession: %s on %s", path.name, self.provider)
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.sampler = PartitionSampler(seed)
-        self.importance = ImportanceState()
+        self.importance = StepState()  # the importance map and plan_every's plans
         self.config = SimpleNamespace(**self.meta.get("unet_config", {}))
         self.dtype = torch.float16 if self.meta.get("dtype") == "float16" else torch.float32
         self.device = torch.device("cpu")
         self.io_binding = self.provider == "CUDAExecutionProvider" if io_binding is None else io_binding
 
     def reset(self, seed: int | None = None) -> None:
-        """Start a new generation: restart the random sequence, forget the importance map."""
+        """Start a new generation: restart the random sequence, forget the importance map and plans."""
         self.sampler.reseed(seed)
         self.importance.reset()
 
@@ -122,9 +125,11 @@ class ToMeSession:
                                   "(the image size and text length are fixed per export, and the batch "
                                   "of importance exports; export again for another)")
 
-    def _run(self, feed: dict[str, np.ndarray | torch.Tensor], device: torch.device) -> torch.Tensor:
+    def _run(self, feed: dict[str, np.ndarray | torch.Tensor], device: torch.device
+             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One call: plain ``run`` on NumPy arrays, or IO binding (torch tensors by pointer, the
-        output written into a torch tensor allocated on ``device``)."""
+        output written into a torch tensor allocated on ``device``). Returns the sample and the
+        extra outputs (plan_every's plans, on the CPU)."""
         # ONNX Runtime cannot bind an optional input (an initializer with a default): such a call
         # takes the plain path; a default value is simply left out.
         if SEED_INPUT in feed and not feed[SEED_INPUT].any():  # the default, 0
@@ -132,7 +137,8 @@ class ToMeSession:
         optional = [k for k in feed if k not in self.inputs]
         if not self.io_binding or optional:
             arrays = {k: v.cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in feed.items()}
-            return torch.from_numpy(self.session.run(None, arrays)[0]).to(device)
+            first, *rest = self.session.run(None, arrays)
+            return torch.from_numpy(first).to(device), [torch.from_numpy(r) for r in rest]
         binding = self.session.io_binding()
         for name, value in feed.items():
             if isinstance(value, torch.Tensor):
@@ -140,7 +146,9 @@ class ToMeSession:
                                    list(value.shape), value.data_ptr())
             else:
                 binding.bind_cpu_input(name, value)
-        output = self.session.get_outputs()[0]
+        output, *extras = self.session.get_outputs()
+        for extra in extras:  # small: ORT allocates them on the CPU
+            binding.bind_output(extra.name, "cpu")
         sample = feed["sample"]
         out = torch.empty(tuple(sample.shape), dtype=_TORCH[output.type], device=device)
         binding.bind_output(output.name, out.device.type, out.device.index or 0, _NUMPY_OF[out.dtype],
@@ -150,13 +158,20 @@ class ToMeSession:
         self.session.run_with_iobinding(binding)
         if out.device.type == "cuda":
             binding.synchronize_outputs()
-        return out
+        return out, [torch.from_numpy(v.numpy()) for v in binding.get_outputs()[1:]]
 
-    def _tome_feed(self, sample_shape: tuple[int, ...], timestep: Any) -> dict[str, np.ndarray]:
-        """The ToMe inputs, drawn as ``tome_backend`` draws them (same specs, same order)."""
-        current = self.importance.current(tuple(sample_shape), timestep) if self._uses_map else None
-        values = draw_tome_inputs(self.specs, self.sampler, current, "cpu")
-        return {spec.name: value.numpy() for spec, value in zip(self.specs, values)}
+    def _tome_feed(self, sample_shape: tuple[int, ...], timestep: Any) -> tuple[dict[str, np.ndarray], str]:
+        """The ToMe inputs, drawn as ``tome_backend`` draws them (same specs, same order), and the
+        kind of plan the call uses. A call that plans leaves the plan inputs out (their defaults:
+        reuse off); one that reuses feeds the plans an earlier call returned."""
+        state = self._uses_map or self._keeps_plans
+        current = self.importance.current(tuple(sample_shape), timestep) if state else None
+        kind = "importance" if current is not None else "tome"
+        plans = self.importance.plans_to_reuse(kind, self.plan_every) if self._keeps_plans else None
+        values = draw_tome_inputs(self.specs, self.sampler, current, "cpu", plans)
+        feed = {spec.name: value.numpy() for spec, value in zip(self.specs, values)
+                if plans is not None or spec.draw not in ("plan_slot", "plan_weight", "reuse")}
+        return feed, kind if plans is None else "reuse"
 
     def __call__(self, sample: torch.Tensor, timestep: Any, encoder_hidden_states: torch.Tensor | None = None,
                  added_cond_kwargs: dict[str, torch.Tensor] | None = None, return_dict: bool = True,
@@ -169,8 +184,11 @@ class ToMeSession:
                 if not added_cond_kwargs or name not in added_cond_kwargs:
                     raise ToMeExportError(f"this SDXL export needs added_cond_kwargs[{name!r}]")
                 feed[name] = self._feed(name, added_cond_kwargs[name])
-        feed.update(self._tome_feed(tuple(feed["sample"].shape), timestep))
-        result = self._run(feed, sample.device if isinstance(sample, torch.Tensor) else torch.device("cpu"))
+        tome, kind = self._tome_feed(tuple(feed["sample"].shape), timestep)
+        feed.update(tome)
+        result, extras = self._run(feed, sample.device if isinstance(sample, torch.Tensor) else torch.device("cpu"))
+        if self._keeps_plans and kind != "reuse":
+            self.importance.keep_plans(kind, (extras[0], extras[1]))
         if self._uses_map:
             self.importance.update(result)
         return _Output(sample=result) if return_dict else (result,)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import operator
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,6 +37,10 @@ __all__ = [
     "HAS_MAP_INPUT",
     "IMPORTANCE_INPUT",
     "PARTITION_INPUT",
+    "PLAN_SLOTS",
+    "PLAN_STATES",
+    "PLAN_WEIGHTS",
+    "REUSE_INPUT",
     "SEED_INPUT",
     "ToMeResult",
     "ToMeSite",
@@ -49,6 +54,15 @@ IMPORTANCE_INPUT = "tome_importance"
 HAS_MAP_INPUT = "tome_has_map"
 DST_KEY_INPUT = "tome_dst_key"
 SEED_INPUT = "tome_seed"
+# plan_every: the packed plans of a call, a graph output fed back as an input at the next calls
+PLAN_SLOTS = "tome_plan_slots"
+PLAN_WEIGHTS = "tome_plan_weights"
+REUSE_INPUT = "tome_reuse_plan"
+OUTPUT_SUFFIX = "_out"
+# How a graph handles plan state: None (no state, tomesd), "make" (plan every block, return the
+# plans as extra outputs), "reuse" (take every plan from the inputs, no matching at all), "either"
+# (one graph for both: a tome_reuse_plan input picks per call, the plans used are returned).
+PLAN_STATES = (None, "make", "reuse", "either")
 
 
 @dataclass(frozen=True)
@@ -78,8 +92,10 @@ class ToMeResult:
     """What the pass did: the (rewritten) module, whether it changed, and every candidate site.
 
     ``inputs`` describes the graph inputs the pass appended, in order: the caller feeds them last
-    (:func:`tome_compile.inputs.draw_tome_inputs` draws their values). ``method`` is the method the
-    graph's plans use ("tome" when importance had no CFG pair to work from).
+    (:func:`tome_compile.inputs.draw_tome_inputs` draws their values). ``outputs`` describes the
+    graph outputs it appended after the model's own (the plan state of ``plan_state="make"`` /
+    ``"either"``). ``method`` is the method the graph's plans use ("tome" when importance had no
+    CFG pair to work from).
     """
 
     graph_module: fx.GraphModule
@@ -89,6 +105,8 @@ class ToMeResult:
     latent_hw: tuple[int, int] | None = None
     batch: int | None = None
     method: str = "tome"
+    outputs: list[ToMeInputSpec] = field(default_factory=list)
+    plan_state: str | None = None
 
     @property
     def rewritten(self) -> list[ToMeSite]:
@@ -118,10 +136,11 @@ class _Mode:
     in_graph_fallback: bool
     note: str  # appended to each rewritten row's reason
     in_graph_random: bool = False
+    plan_state: str | None = None
 
 
 def _choose_mode(config: ToMeConfig, method: str | None, oracle: bool, in_graph_fallback: bool,
-                 batch: int | None, in_graph_random: bool = False) -> _Mode:
+                 batch: int | None, in_graph_random: bool = False, plan_state: str | None = None) -> _Mode:
     method = "oracle" if oracle else (method or config.method)
     odd = batch is not None and batch % 2 == 1
     note = ""
@@ -133,11 +152,16 @@ def _choose_mode(config: ToMeConfig, method: str | None, oracle: bool, in_graph_
         # the cond and uncond calls; it falls back to fixed destinations.
         use_rand, note = False, note + f"; batch {batch} is odd: fixed destinations (as tomesd)"
     tag = {"oracle": "; oracle", "importance": "; importance"}.get(method, "")
-    if use_rand and in_graph_random:
+    if use_rand and in_graph_random and plan_state != "reuse":
         tag += "; destinations hashed from (tome_seed, timestep) in the graph"
+    if method == "oracle":
+        plan_state = None  # the oracle makes no plan
+    tag += {"make": f"; plan kept for the next calls (plan_every={config.plan_every})",
+            "reuse": f"; plan of an earlier call (plan_every={config.plan_every})",
+            "either": f"; plan made or reused per call ({REUSE_INPUT})"}.get(plan_state or "", "")
     return _Mode(method=method, use_rand=use_rand,
                  in_graph_fallback=in_graph_fallback and method == "importance", note=note + tag,
-                 in_graph_random=use_rand and in_graph_random)
+                 in_graph_random=use_rand and in_graph_random, plan_state=plan_state)
 
 
 def _add_input(graph: fx.Graph, spec: ToMeInputSpec) -> fx.Node:
@@ -149,13 +173,17 @@ def _add_input(graph: fx.Graph, spec: ToMeInputSpec) -> fx.Node:
 
 
 def _rewrite_all(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig, mode: _Mode,
-                 latent: tuple[int, int] | None, batch: int | None) -> list[ToMeInputSpec]:
-    """Append the inputs the plans read, rewrite every block, lint; returns the input specs."""
+                 latent: tuple[int, int] | None, batch: int | None
+                 ) -> tuple[list[ToMeInputSpec], list[ToMeInputSpec]]:
+    """Append the inputs the plans read, rewrite every block, append the plan-state outputs, lint;
+    returns the input and output specs."""
     graph, specs = gm.graph, []
     makers = _plan_makers(plans, config)
-    cells = [(p.grid[0] // config.sy, p.grid[1] // config.sx) if makers[i] == i else (0, 0)
+    state = mode.plan_state
+    reuse_only = state == "reuse"
+    cells = [(p.grid[0] // config.sy, p.grid[1] // config.sx) if makers[i] == i and not reuse_only else (0, 0)
              for i, p in enumerate(plans)]
-    importance = mode.method == "importance"
+    importance = mode.method == "importance" and not reuse_only
     pools = [_merge.importance_pool_size(p.tokens, p.merged, config.pool_factor, config.dst_fraction)
              if importance and makers[i] == i else 0 for i, p in enumerate(plans)]
     nodes: dict[str, fx.Node] = {}
@@ -170,8 +198,12 @@ def _rewrite_all(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig,
         if mode.in_graph_fallback:
             add(ToMeInputSpec(HAS_MAP_INPUT, (), torch.bool, "has_map"))
     drawn = tuple(c for i, c in enumerate(cells) if makers[i] == i)
-    wants_partition = mode.use_rand and (not importance or mode.in_graph_fallback)
-    if mode.in_graph_random:
+    wants_partition = mode.use_rand and (not importance or mode.in_graph_fallback) and not reuse_only
+    own = [i for i in range(len(plans)) if makers[i] == i]  # the blocks whose plan is state
+    state_specs = _plan_state_specs(plans, own, batch) if state else []
+    if reuse_only:
+        pass  # every plan comes from the state inputs: nothing drawn, nothing hashed
+    elif mode.in_graph_random:
         _hashed_inputs(gm, add, nodes, sum(a * b for a, b in drawn) if wants_partition else 0,
                        config.sx * config.sy, sum(pools) if importance else 0)
     else:
@@ -180,18 +212,59 @@ def _rewrite_all(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig,
         if wants_partition:
             add(ToMeInputSpec(PARTITION_INPUT, (sum(a * b for a, b in drawn),), torch.int64, "partition",
                               cells=drawn, choices=config.sx * config.sy))
-    cell_offset = key_offset = 0
+    if state in ("reuse", "either"):
+        for spec in state_specs:
+            add(spec)
+        if state == "either":
+            add(ToMeInputSpec(REUSE_INPUT, (), torch.bool, "reuse"))
+    cell_offset = key_offset = slot_offset = weight_offset = 0
+    slot_total = sum(plans[i].tokens for i in own)
+    weight_total = sum(plans[i].tokens - plans[i].merged for i in own)
     made: dict[int, tuple[fx.Node, fx.Node] | None] = {}
     for i, (plan, (ch, cw), pool) in enumerate(zip(plans, cells, pools)):
         io = BlockInputs(method=mode.method, partition=nodes.get("partition"), cell_offset=cell_offset,
                          importance=nodes.get("importance"), has_map=nodes.get("has_map"),
-                         dst_key=nodes.get("dst_key"), key_offset=key_offset, pool=pool)
+                         dst_key=nodes.get("dst_key"), key_offset=key_offset, pool=pool,
+                         slots=nodes.get("plan_slot"), weights=nodes.get("plan_weight"),
+                         reuse=nodes.get("reuse"), slot_offset=slot_offset, weight_offset=weight_offset,
+                         slot_total=slot_total, weight_total=weight_total)
         shared = made.get(makers[i]) if makers[i] != i else None
         made[i] = rewrite_block(graph, plan, config, io, shared=shared)
         cell_offset, key_offset = cell_offset + ch * cw, key_offset + pool
+        if makers[i] == i:
+            slot_offset, weight_offset = slot_offset + plan.tokens, weight_offset + plan.tokens - plan.merged
+    outputs: list[ToMeInputSpec] = []
+    if state in ("make", "either"):
+        outputs = [dataclasses.replace(spec, name=spec.name + OUTPUT_SUFFIX) for spec in state_specs]
+        _append_outputs(graph, [n for i in own for n in (made[i] or ())], outputs)
     graph.lint()
     gm.recompile()
-    return specs
+    return specs, outputs
+
+
+def _plan_state_specs(plans: list[BlockPlan], own: list[int], batch: int | None) -> list[ToMeInputSpec]:
+    """The packed plan state of the blocks ``own``, flat ``[B * sum N]`` / ``[B * sum (N - r)]``
+    (see :func:`tome_compile.merge.pack_plans`)."""
+    if batch is None:
+        raise ToMeRewriteError("plan_every needs a batch size known when the graph is rewritten")
+    return [ToMeInputSpec(PLAN_SLOTS, (batch * sum(plans[i].tokens for i in own),), torch.int64, "plan_slot"),
+            ToMeInputSpec(PLAN_WEIGHTS, (batch * sum(plans[i].tokens - plans[i].merged for i in own),),
+                          torch.float32, "plan_weight")]
+
+
+def _append_outputs(graph: fx.Graph, plan_nodes: list[fx.Node], specs: list[ToMeInputSpec]) -> None:
+    """Return the packed plans after the model's own outputs."""
+    output = next(n for n in graph.nodes if n.op == "output")
+    values = output.args[0]
+    if not isinstance(values, (tuple, list)):
+        raise ToMeRewriteError(f"plan_every: the graph returns {type(values).__name__}, not a tuple of "
+                               "outputs; cannot append the plan state")
+    with graph.inserting_before(output):
+        packed = graph.call_function(_merge.pack_plans, tuple(plan_nodes))
+        parts = [graph.call_function(operator.getitem, (packed, k)) for k in range(len(specs))]
+    for node in (packed, *parts):
+        node.meta["tome"] = {"role": "state", "site": "plans"}
+    output.args = (type(values)([*values, *parts]),)
 
 
 def _hashed_inputs(gm: fx.GraphModule, add: Callable[[ToMeInputSpec], None], nodes: dict[str, fx.Node],
@@ -291,9 +364,11 @@ def _remap(plan: BlockPlan, graph: fx.Graph) -> BlockPlan:
 
 def _apply(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig, mode: _Mode,
            latent: tuple[int, int] | None, batch: int | None,
-           validate: bool) -> tuple[list[BlockPlan], list[ToMeInputSpec], dict[str, str]]:
+           validate: bool) -> tuple[list[BlockPlan], tuple[list[ToMeInputSpec], list[ToMeInputSpec]],
+                                    dict[str, str]]:
     """Rewrite every planned block; when the result does not type-check, find the sites that
-    fail alone, put the graph back and rewrite the others. Returns (kept plans, specs, failures)."""
+    fail alone, put the graph back and rewrite the others. Returns (kept plans, (input specs,
+    output specs), failures)."""
     original = copy.deepcopy(gm.graph) if validate else None
     specs = _rewrite_all(gm, plans, config, mode, latent, batch)
     if original is None or (error := _check(gm)) is None:
@@ -311,7 +386,7 @@ def _apply(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig, mode:
             logger.info("ToMe: %s left unmerged: its rewrite fails the shape check (%s)", plan.site.path, err)
     gm.graph = copy.deepcopy(original)
     survivors = [_remap(p, gm.graph) for p in survivors]
-    specs = _rewrite_all(gm, survivors, config, mode, latent, batch) if survivors else []
+    specs = _rewrite_all(gm, survivors, config, mode, latent, batch) if survivors else ([], [])
     if not survivors:
         gm.recompile()
     elif _check(gm) is not None:
@@ -363,6 +438,7 @@ def merge_self_attention(
     method: str | None = None,
     in_graph_fallback: bool = False,
     in_graph_random: bool = False,
+    plan_state: str | None = None,
 ) -> ToMeResult:
     """Rewrite every high-resolution self-attention of ``gm`` in place and report every site.
 
@@ -384,23 +460,32 @@ def merge_self_attention(
             instead of ``tome_partition`` / ``tome_dst_key``; the graph hashes the destinations
             from the seed and the timestep input (deterministic per (seed, timestep), different
             across steps and blocks; not the sequence ``tome_backend(seed=)`` draws).
+        plan_state: ``plan_every``'s state (see ``PLAN_STATES``): ``"make"`` returns the plans
+            of the blocks that make one as two more outputs (``tome_plan_slots_out``,
+            ``tome_plan_weights_out``); ``"reuse"`` takes every plan from ``tome_plan_slots`` /
+            ``tome_plan_weights`` inputs (no matching, nothing drawn); ``"either"`` does both
+            with a ``tome_reuse_plan`` bool input choosing per call (``torch.cond``, ONNX ``If``).
     Returns:
         :class:`ToMeResult`; ``inputs`` describes the graph inputs appended to ``gm`` (feed them
-        last, in that order).
+        last, in that order), ``outputs`` the outputs appended after the model's own.
     """
+    if plan_state not in PLAN_STATES:
+        raise ToMeRewriteError(f"plan_state={plan_state!r} is not one of {PLAN_STATES}")
     found = _sites.find_attention_sites(gm)
     latent = latent_hw or _sites.latent_size(gm)
     decisions = [decide_site(site, found, gm.graph, config, latent) for site in found]
     plans = [d for d in decisions if isinstance(d, BlockPlan)] if config.enabled else []
-    batch = next((s[0] for p in plans if isinstance(s := _sites.node_shape(p.site.input), tuple)
-                  and isinstance(s[0], int)), None)
-    mode = _choose_mode(config, method, oracle, in_graph_fallback, batch, in_graph_random)
-    kept, specs, failures = (_apply(gm, plans, config, mode, latent, batch, validate) if plans
-                             else ([], [], {}))
+    first = next((s[0] for p in plans if isinstance(s := _sites.node_shape(p.site.input), tuple)), None)
+    batch = first if isinstance(first, int) else None
+    mode = _choose_mode(config, method, oracle, in_graph_fallback, batch, in_graph_random, plan_state)
+    # a symbolic batch (dynamic ONNX export) sizes the plan-state specs by its traced value
+    hint = batch if batch is not None else getattr(getattr(first, "node", None), "hint", None)
+    kept, (specs, outputs), failures = (_apply(gm, plans, config, mode, latent, hint, validate) if plans
+                                        else ([], ([], []), {}))
     report = _report(found, decisions, kept, failures, config, mode)
     logger.info("ToMe: rewrote %d of %d attention sites", sum(r.rewritten for r in report), len(report))
     for row in report:
         logger.debug("ToMe site %s", row.line())
     return ToMeResult(graph_module=gm, modified=bool(kept), sites=report, inputs=specs, latent_hw=latent,
-                      batch=batch,
+                      batch=batch, outputs=outputs, plan_state=mode.plan_state if kept else None,
                       method=mode.method if kept else (method or config.method))

@@ -39,6 +39,16 @@ class BlockInputs:
     dst_key: fx.Node | None = None
     key_offset: int = 0
     pool: int = 0
+    # plan_every: the previous call's packed plans (``slots``, ``weights``) and where this block's
+    # plan starts in them; ``reuse`` set: a 0-d bool input picks reuse or a new plan per call
+    # (ONNX); unset with ``slots``: this graph always reuses.
+    slots: fx.Node | None = None
+    weights: fx.Node | None = None
+    reuse: fx.Node | None = None
+    slot_offset: int = 0
+    weight_offset: int = 0
+    slot_total: int = 0
+    weight_total: int = 0
 
 
 def _tag(node: fx.Node, site: str, role: str) -> fx.Node:
@@ -80,11 +90,23 @@ def _plan(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: BlockInputs)
     def call(fn: Any, *args: Any) -> fx.Node:
         return _tag(graph.call_function(fn, args), path, "plan")
 
+    if io.slots is not None and io.reuse is None:
+        return call(_merge.unpack_plan, io.slots, io.weights, plan.metric, io.slot_offset, io.weight_offset,
+                    h * w, h * w - r, io.slot_total, io.weight_total)
     choice = call(torch.narrow, io.partition, 0, io.cell_offset, cells) if io.partition is not None else None
     if io.method != "importance":
+        if io.reuse is not None:
+            return call(_merge.plan_or_reuse, io.reuse, io.slots, io.weights, io.slot_offset, io.weight_offset,
+                        io.slot_total, io.weight_total, "tome", plan.metric, None, None, None, choice, h, w, config.sx, config.sy, r,
+                        config.pool_factor, config.dst_fraction)
         return call(_merge.tome_plan, plan.metric, choice, h, w, config.sx, config.sy, r)
     key = call(torch.narrow, io.dst_key, 1, io.key_offset, io.pool) if io.dst_key is not None else None
     fitted = call(_merge.fit_importance, io.importance, h, w)
+    if io.reuse is not None:
+        method = "importance" if io.has_map is None else "importance_or_tome"
+        return call(_merge.plan_or_reuse, io.reuse, io.slots, io.weights, io.slot_offset, io.weight_offset,
+                    io.slot_total, io.weight_total, method, plan.metric, io.has_map, fitted, key, choice, h, w, config.sx, config.sy, r,
+                    config.pool_factor, config.dst_fraction)
     if io.has_map is not None:
         return call(_merge.importance_or_tome_plan, plan.metric, io.has_map, fitted, key, choice, h, w,
                     config.sx, config.sy, r, config.pool_factor, config.dst_fraction)

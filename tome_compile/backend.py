@@ -24,8 +24,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeConfigError
-from tome_compile.importance import ImportanceState
-from tome_compile.inputs import ToMeInputSpec, draw_tome_inputs
+from tome_compile.importance import StepState
+from tome_compile.inputs import draw_tome_inputs
 from tome_compile.passes import ToMeResult, UNetIO, find_unet_io, merge_self_attention
 from tome_compile.sampler import PartitionSampler
 
@@ -137,8 +137,8 @@ class ToMeBackend:
         # Importance state per compiled model (keyed by one of its parameters): one backend on
         # two U-Nets must not hand one model's guidance map to the other.
         self._states: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare by identity here
-        self._unkeyed = ImportanceState()
-        self._last: ImportanceState | None = None
+        self._unkeyed = StepState()
+        self._last: StepState | None = None
         self._said: set[str] = set()
         self._baked_timesteps: set[float] = set()
 
@@ -146,11 +146,11 @@ class ToMeBackend:
         return f"ToMeBackend({self.config!r}, compiler={self.compiler!r})"
 
     @property
-    def importance(self) -> ImportanceState:
-        """The importance state of the model called last (each compiled model has its own)."""
+    def importance(self) -> StepState:
+        """The state (importance map, plans) of the model called last (each compiled model has its own)."""
         return self._last if self._last is not None else self._unkeyed
 
-    def importance_state(self, model: torch.nn.Module) -> ImportanceState | None:
+    def importance_state(self, model: torch.nn.Module) -> StepState | None:
         """The importance state of ``model`` (the module given to ``torch.compile``), if it ran."""
         return next((self._states[p] for p in model.parameters() if p in self._states), None)
 
@@ -161,8 +161,8 @@ class ToMeBackend:
         for state in [*self._states.values(), self._unkeyed]:
             state.reset()
 
-    def _state_for(self, key: torch.Tensor | None) -> ImportanceState:
-        state = self._unkeyed if key is None else self._states.setdefault(key, ImportanceState())
+    def _state_for(self, key: torch.Tensor | None) -> StepState:
+        state = self._unkeyed if key is None else self._states.setdefault(key, StepState())
         self._last = state
         return state
 
@@ -183,10 +183,11 @@ class ToMeBackend:
         return self._compile_static(gm, example_inputs, compile_fn, io)
 
     def _rewrite_and_compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], compile_fn: CompilerFn,
-                             method: str) -> tuple[ToMeResult, Callable[..., Any]]:
+                             method: str, plan_state: str | None = None) -> tuple[ToMeResult, Callable[..., Any]]:
         # Rewrite a copy: Dynamo keeps using its own graph afterwards.
         rewritten = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-        result = merge_self_attention(rewritten, self.config, oracle=self.oracle, method=method)
+        result = merge_self_attention(rewritten, self.config, oracle=self.oracle, method=method,
+                                      plan_state=plan_state)
         mode = _fake_mode(example_inputs)
         device = _device_of(example_inputs)
         extra = [mode.from_tensor(s.zeros(device)) if mode is not None else s.zeros(device)
@@ -210,58 +211,73 @@ class ToMeBackend:
     def _compile_static(self, gm: fx.GraphModule, example_inputs: Sequence[Any], compile_fn: CompilerFn,
                         io: UNetIO) -> Callable[..., Any]:
         self._note_baked_timestep(io)
-        result, compiled = self._rewrite_and_compile(gm, example_inputs, compile_fn, "tome")
+        # plan_every > 1: every planning graph also returns its plans; a third graph reuses them.
+        keep = "make" if self.config.plan_every > 1 and not self.oracle else None
+        result, compiled = self._rewrite_and_compile(gm, example_inputs, compile_fn, "tome", keep)
         self.reports.append(result)
         logger.info("%s", result.summary())
         warn_if_nothing_rewritten(result, self.config)
-        if self.config.method != "importance" or self.oracle or not result.modified:
-            # nothing to append: the compiled graph itself, no wrapper on the hot path
-            if not result.inputs:
-                return compiled
-            return _Runner(self, io, _device_of(example_inputs), compiled, result.inputs)
-        runner = _Runner(self, io, _device_of(example_inputs), compiled, result.inputs)
-        # Importance: a second graph whose plans read the guidance map; the tome graph above is
-        # the fallback for calls without a map. Both are compiled now: no recompile mid-generation.
-        result_imp, compiled_imp = self._rewrite_and_compile(gm, example_inputs, compile_fn, "importance")
-        if result_imp.method != "importance":
-            self.say_once(f"ToMe: importance merging needs CFG batches [uncond; cond]; a batch of "
-                          f"{result_imp.batch} holds no pair, so its calls use random ToMe plans")
-            return runner
-        self.reports.append(result_imp)
-        runner.importance_fn, runner.importance_specs = compiled_imp, result_imp.inputs
+        if not result.modified:
+            return compiled
+        if (self.config.method != "importance" or self.oracle) and not result.inputs and not result.outputs:
+            return compiled  # nothing to append: the compiled graph itself, no wrapper on the hot path
+        device = _device_of(example_inputs)
+        runner = _Runner(self, io, device, {"tome": (compiled, result)})
+        if self.config.method == "importance" and not self.oracle:
+            # Importance: a second graph whose plans read the guidance map; the tome graph above is
+            # the fallback for calls without a map. Both are compiled now: no recompile mid-generation.
+            result_imp, compiled_imp = self._rewrite_and_compile(gm, example_inputs, compile_fn, "importance",
+                                                                 keep)
+            if result_imp.method != "importance":
+                self.say_once(f"ToMe: importance merging needs CFG batches [uncond; cond]; a batch of "
+                              f"{result_imp.batch} holds no pair, so its calls use random ToMe plans")
+            else:
+                self.reports.append(result_imp)
+                runner.graphs["importance"] = (compiled_imp, result_imp)
+        if keep and result.outputs:
+            result_reuse, compiled_reuse = self._rewrite_and_compile(gm, example_inputs, compile_fn, "tome",
+                                                                     "reuse")
+            self.reports.append(result_reuse)
+            runner.graphs["reuse"] = (compiled_reuse, result_reuse)
         return runner
 
 
 class _Runner:
-    """The compiled U-Net graph, called with this call's ToMe inputs appended.
+    """The compiled U-Net graph(s), called with this call's ToMe inputs appended.
 
-    With importance merging it holds two graphs: the importance graph when the model's state has
-    a map from the previous call, else the ToMe graph (first step, new generation); it then fills
-    the state from this call's output.
+    ``graphs`` maps a kind of call to its compiled graph and rewrite report: ``"tome"`` always;
+    ``"importance"`` (importance merging) when the model's state has a map from the previous
+    call, else the ToMe graph (first step, new generation) runs, and this call's output fills
+    the map; ``"reuse"`` (``plan_every`` > 1) when the state holds plans young enough — the other
+    graphs then return their plans as two more outputs, which the runner keeps and strips.
     """
 
-    def __init__(self, backend: ToMeBackend, io: UNetIO, device: torch.device, tome_fn: Callable[..., Any],
-                 tome_specs: list[ToMeInputSpec]) -> None:
+    def __init__(self, backend: ToMeBackend, io: UNetIO, device: torch.device,
+                 graphs: dict[str, tuple[Callable[..., Any], ToMeResult]]) -> None:
         self.backend, self.io, self.device = backend, io, device
-        self.tome_fn, self.tome_specs = tome_fn, tome_specs
-        self.importance_fn: Callable[..., Any] | None = None
-        self.importance_specs: list[ToMeInputSpec] = []
+        self.graphs = graphs
         self._param_index: int | None = -1  # the first parameter argument: the model's identity
 
-    def _state(self, args: Sequence[Any]) -> ImportanceState:
+    def _state(self, args: Sequence[Any]) -> StepState:
         if self._param_index == -1:
             self._param_index = next((i for i, a in enumerate(args) if isinstance(a, torch.nn.Parameter)),
                                      None)
         return self.backend._state_for(args[self._param_index] if self._param_index is not None else None)
 
     def __call__(self, *args: Any) -> Any:
-        state = self._state(args) if self.importance_fn is not None else None
+        importance, reuse = "importance" in self.graphs, "reuse" in self.graphs
+        state = self._state(args) if importance or reuse else None
         current = (state.current(tuple(args[self.io.sample_index].shape), self.io.timestep(args))
                    if state is not None else None)
-        fn, specs = ((self.tome_fn, self.tome_specs) if current is None
-                     else (self.importance_fn, self.importance_specs))
-        out = fn(*args, *draw_tome_inputs(specs, self.backend.sampler, current, self.device))
-        if state is not None:
+        kind = "importance" if importance and current is not None else "tome"
+        plans = state.plans_to_reuse(kind, self.backend.config.plan_every) if reuse and state else None
+        fn, result = self.graphs["reuse" if plans is not None else kind]
+        out = fn(*args, *draw_tome_inputs(result.inputs, self.backend.sampler, current, self.device, plans))
+        if result.outputs:  # this call planned: keep its plans (copied: cudagraphs reuse output memory)
+            n = len(out) - len(result.outputs)
+            state.keep_plans(kind, (out[n].clone(), out[n + 1].clone()))
+            out = out[:n]
+        if importance:
             outputs = out if isinstance(out, (list, tuple)) else [out]
             state.update(outputs[self.io.output_index])
         return out

@@ -41,6 +41,11 @@ class ToMeConfig:
         share_plan: one plan per resolution level per U-Net call: made at the first rewritten
             block of a token count (its metric), reused by the other blocks with that count.
             Off by default (tomesd makes a plan per block); saves the matching of the others.
+        plan_every: make the plans on every ``plan_every``-th U-Net call of a generation and reuse
+            them in between (the plans are state of the compiled model, like the importance map:
+            a graph output fed back as an input). ``1`` (default, tomesd) plans every call. A new
+            generation (the timestep goes back up, another latent shape, ``reset()``) and
+            importance's first step with a map always plan afresh.
     """
 
     ratio: float = 0.5
@@ -56,6 +61,7 @@ class ToMeConfig:
     pool_factor: float = 1.4
     dst_fraction: float = 0.25
     share_plan: bool = False
+    plan_every: int = 1
 
     def __post_init__(self) -> None:
         for reason in self.problems():
@@ -64,7 +70,7 @@ class ToMeConfig:
     def problems(self) -> list[str]:
         """Every invalid value, one sentence each (value, limit, fix); empty when valid."""
         out: list[str] = []
-        for name in ("sx", "sy", "max_downsample"):
+        for name in ("sx", "sy", "max_downsample", "plan_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 out.append(f"{name}={value!r} must be an int")
@@ -76,6 +82,9 @@ class ToMeConfig:
         if self.sx < 1 or self.sy < 1:
             out.append(f"sx={self.sx}, sy={self.sy}: the destination stride must be >= 1 in both directions")
             return out
+        if self.plan_every < 1:
+            out.append(f"plan_every={self.plan_every} must be >= 1 (1 = a new plan every U-Net call, "
+                       "as tomesd; 2 or 3 reuse each plan for that many calls)")
         if self.max_downsample not in _MAX_DOWNSAMPLE:
             out.append(
                 f"max_downsample={self.max_downsample} is not one of {_MAX_DOWNSAMPLE}; "

@@ -26,7 +26,10 @@ __all__ = ["DRAWS", "ToMeInputSpec", "draw_tome_inputs"]
 #   dst_key    [P, M] float32             uniform keys for importance's destination draw, when there is a map
 #   seed       [] int64                   in-graph random form (ONNX deployment): the graph hashes
 #                                         partition / keys from it and the timestep; fed the sampler's seed
-DRAWS = ("partition", "importance", "has_map", "dst_key", "seed")
+#   plan_slot  [B, sum N] int64           plan_every: the plans of an earlier call (``pack_plans``),
+#   plan_weight [B, sum (N - r)] float32    fed back from that call's extra outputs
+#   reuse      [] bool                    plan_every, one-graph form (ONNX): reuse the fed plans
+DRAWS = ("partition", "importance", "has_map", "dst_key", "seed", "plan_slot", "plan_weight", "reuse")
 
 _DTYPES = {"int64": torch.int64, "float32": torch.float32, "bool": torch.bool}
 
@@ -67,18 +70,27 @@ class ToMeInputSpec:
 
 
 def draw_tome_inputs(specs: Sequence[ToMeInputSpec], sampler: PartitionSampler,
-                     importance: torch.Tensor | None, device: torch.device | str) -> list[torch.Tensor]:
+                     importance: torch.Tensor | None, device: torch.device | str,
+                     plans: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Values for ``specs`` (in order) for one U-Net call.
 
     Without a map (``importance=None``: ToMe, or importance's fallback step) the partition is
-    drawn, in tomesd's order; with a map the destination keys are drawn instead. Only what the
-    call uses is drawn, so the backend and ``ToMeSession`` advance their generators identically.
+    drawn, in tomesd's order; with a map the destination keys are drawn instead. ``plans`` (the
+    packed plans of an earlier call, ``plan_every``) means this call reuses them: nothing is
+    drawn. Only what the call uses is drawn, so the backend and ``ToMeSession`` advance their
+    generators identically.
     """
     device = torch.device(device)
     values = []
+    reuse = plans is not None
     for spec in specs:
-        if spec.draw == "partition":
-            value = (sampler.draw(list(spec.cells), spec.choices, device) if importance is None
+        if spec.draw in ("plan_slot", "plan_weight"):
+            value = (plans[spec.draw == "plan_weight"].to(device) if plans is not None
+                     else spec.zeros(device))
+        elif spec.draw == "reuse":
+            value = torch.tensor(reuse, device=device)
+        elif spec.draw == "partition":
+            value = (sampler.draw(list(spec.cells), spec.choices, device) if importance is None and not reuse
                      else spec.zeros(device))
         elif spec.draw == "importance":
             value = spec.zeros(device) if importance is None else importance.to(device, torch.float32)
@@ -87,7 +99,7 @@ def draw_tome_inputs(specs: Sequence[ToMeInputSpec], sampler: PartitionSampler,
         elif spec.draw == "seed":
             value = torch.tensor(sampler.seed or 0, dtype=torch.int64, device=device)
         else:  # dst_key
-            value = (sampler.draw_keys(spec.shape[0], spec.shape[1], device) if importance is not None
-                     else spec.zeros(device))
+            value = (sampler.draw_keys(spec.shape[0], spec.shape[1], device)
+                     if importance is not None and not reuse else spec.zeros(device))
         values.append(value)
     return values

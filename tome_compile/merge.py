@@ -33,14 +33,18 @@ __all__ = [
     "importance_partition",
     "importance_plan",
     "importance_pool_size",
+    "make_plan",
     "merge_tokens",
     "oracle_merge",
     "oracle_unmerge",
+    "pack_plans",
     "partition_cells",
+    "plan_or_reuse",
     "row_max",
     "tie_free_order",
     "tome_plan",
     "unmerge_tokens",
+    "unpack_plan",
 ]
 
 
@@ -295,6 +299,106 @@ def importance_or_tome_plan(
         return slot.clone(), weight.clone()
 
     return torch.cond(has_map, with_map, without_map, tuple(operands))
+
+
+def pack_plans(*plans: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plan state (``plan_every``): ``slot_0, weight_0, slot_1, weight_1, ...`` of the blocks that
+    make a plan -> ``(slots [B * sum N_i] int64, weights [B * sum (N_i - r_i)] float32)``: one pair
+    of flat tensors whatever the number of blocks, so one graph output / input pair carries them
+    all. (Flat, so that a deployed graph takes its batch from ``sample`` alone, and an empty
+    default can stand for "no plans yet".)"""
+    slots, weights = plans[0::2], plans[1::2]
+    return (torch.cat(list(slots), dim=1).reshape(-1),
+            torch.cat([w.squeeze(-1).to(torch.float32) for w in weights], dim=1).reshape(-1))
+
+
+def unpack_plan(slots: torch.Tensor, weights: torch.Tensor, like: torch.Tensor, slot_offset: int,
+                weight_offset: int, n: int, kept: int, slot_total: int, weight_total: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's plan ``(slot [B, n], weight [B, kept, 1])`` out of :func:`pack_plans`' tensors
+    (``slot_total``, ``weight_total``: their row lengths); ``B`` is ``like``'s batch, weights in
+    ``like``'s dtype."""
+    b = like.shape[0]
+    slot = slots.reshape(b, slot_total).narrow(1, slot_offset, n)
+    weight = weights.reshape(b, weight_total).narrow(1, weight_offset, kept).unsqueeze(-1).to(like.dtype)
+    return slot, weight
+
+
+def make_plan(
+    method: str,
+    metric: torch.Tensor,
+    has_map: torch.Tensor | None,
+    importance: torch.Tensor | None,
+    dst_key: torch.Tensor | None,
+    choice: torch.Tensor | None,
+    h: int,
+    w: int,
+    sx: int,
+    sy: int,
+    r: int,
+    pool_factor: float,
+    dst_fraction: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan of one block by ``method``: "tome", "importance", or "importance_or_tome" (the
+    in-graph choice of :func:`importance_or_tome_plan`, reading ``has_map``)."""
+    if method == "tome":
+        return tome_plan(metric, choice, h, w, sx, sy, r)
+    assert importance is not None
+    if method == "importance":
+        return importance_plan(metric, importance, dst_key, h, w, r, pool_factor, dst_fraction)
+    assert has_map is not None
+    return importance_or_tome_plan(metric, has_map, importance, dst_key, choice, h, w, sx, sy, r,
+                                   pool_factor, dst_fraction)
+
+
+def plan_or_reuse(
+    reuse: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    slot_offset: int,
+    weight_offset: int,
+    slot_total: int,
+    weight_total: int,
+    method: str,
+    metric: torch.Tensor,
+    has_map: torch.Tensor | None,
+    importance: torch.Tensor | None,
+    dst_key: torch.Tensor | None,
+    choice: torch.Tensor | None,
+    h: int,
+    w: int,
+    sx: int,
+    sy: int,
+    r: int,
+    pool_factor: float,
+    dst_fraction: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One graph for both kinds of ``plan_every`` call (used by the ONNX export): the block's plan
+    out of the previous call's packed plans (``slots``, ``weights``) when ``reuse`` (a 0-d bool),
+    else made by :func:`make_plan` — a ``torch.cond``, so ONNX gets an ``If`` and a reusing call
+    skips the matching."""
+    optional = (has_map, importance, dst_key, choice)
+    present = tuple(t is not None for t in optional)
+    n = h * w
+    kept = n - r
+
+    def unpack(ops: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
+        it = iter(ops)
+        return [next(it) if here else None for here in present]
+
+    def reused(s: torch.Tensor, wt: torch.Tensor, m: torch.Tensor, *ops: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        slot, weight = unpack_plan(s, wt, m, slot_offset, weight_offset, n, kept, slot_total, weight_total)
+        dense = torch.contiguous_format  # cond's branches must return dense tensors
+        return slot.clone(memory_format=dense), weight.clone(memory_format=dense)
+
+    def made(s: torch.Tensor, wt: torch.Tensor, m: torch.Tensor, *ops: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        slot, weight = make_plan(method, m, *unpack(ops), h, w, sx, sy, r, pool_factor, dst_fraction)
+        return slot.clone(), weight.clone()
+
+    operands = (slots, weights, metric, *(t for t in optional if t is not None))
+    return torch.cond(reuse, reused, made, operands)
 
 
 def fit_importance(importance: torch.Tensor, h: int, w: int) -> torch.Tensor:
