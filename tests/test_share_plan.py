@@ -1,13 +1,17 @@
-"""share_plan (issue #11, first part): one plan per resolution level per U-Net call."""
+"""Plan reuse (issue #11): share_plan (one plan per resolution level per U-Net call) and
+plan_every (plans kept across U-Net calls as graph state)."""
 
 from __future__ import annotations
 
 import copy
 
+import numpy as np
+import pytest
 import torch
 from conftest import TINY_SD15, call, dynamo_graph, tiny_inputs, tiny_unet
 
 from tome_compile import ToMeConfig, merge_self_attention, tome_backend
+from tome_compile.errors import ToMeConfigError, ToMeRewriteError
 from tome_compile.merge import importance_or_tome_plan, tome_plan
 from tome_compile.models import build_unet
 
@@ -94,3 +98,175 @@ def test_shared_plan_export_equals_the_compiled_backend(tmp_path, sd15):
     for _ in range(2):
         got = session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
         assert (got - call(model, inputs)).abs().max() < 1e-4
+
+
+# --- plan_every (issue #11, second part) --------------------------------------------------------
+
+class KindCounter:
+    """Inner compiler that records which graph each call runs: "make" (returns its plans),
+    "reuse" (reads them) or "plain"."""
+
+    def __init__(self) -> None:
+        self.compiled: list[str] = []
+        self.runs: list[str] = []
+
+    def __call__(self, gm, example_inputs):
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        kind = ("reuse" if "tome_plan_slots" in names else
+                "make" if any(getattr(o, "meta", {}).get("tome", {}).get("role") == "state" for o in outputs)
+                else "plain")
+        self.compiled.append(kind)
+
+        def run(*args):
+            self.runs.append(kind)
+            return gm.forward(*args)
+        return run
+
+
+def test_plan_every_state_is_a_graph_output_fed_back_as_an_input(sd15):
+    from tome_compile.merge import pack_plans, plan_or_reuse, unpack_plan
+
+    unet, inputs = sd15
+    config = ToMeConfig(ratio=0.5, plan_every=2, max_downsample=2)
+    make = merge_self_attention(dynamo_graph(unet, inputs), config, plan_state="make")
+    assert len(make.rewritten) == 4 and len(plan_nodes(make.graph_module)) == 4
+    assert [s.name for s in make.outputs] == ["tome_plan_slots_out", "tome_plan_weights_out"]
+    assert make.outputs[0].shape == (2 * (3 * 256 + 64),)  # every block's slot per image, flat
+    assert make.outputs[1].shape == (2 * (3 * 128 + 32),)  # its N - r weights
+    assert len(plan_nodes(make.graph_module, pack_plans)) == 1
+    out = next(n for n in make.graph_module.graph.nodes if n.op == "output").args[0]
+    assert len(out) == 3  # the model's output, then the plans
+    assert all("plan kept for the next calls (plan_every=2)" in s.reason for s in make.rewritten)
+
+    reuse = merge_self_attention(dynamo_graph(unet, inputs), config, plan_state="reuse")
+    assert reuse.input_names == ["tome_plan_slots", "tome_plan_weights"]  # nothing drawn: no partition
+    assert not plan_nodes(reuse.graph_module) and len(plan_nodes(reuse.graph_module, unpack_plan)) == 4
+    assert reuse.count_nodes("merge") == 4 and reuse.count_nodes("unmerge") == 4 and not reuse.outputs
+
+    # share_plan + plan_every: the state holds one plan per level
+    shared = merge_self_attention(dynamo_graph(unet, inputs), config.replace(share_plan=True), plan_state="either")
+    assert len(plan_nodes(shared.graph_module, plan_or_reuse)) == 2
+    assert shared.input_names == ["tome_partition", "tome_plan_slots", "tome_plan_weights", "tome_reuse_plan"]
+    assert shared.outputs[0].shape == (2 * (256 + 64),)
+
+    # negative: without plan_state the graph has no state, and an unknown state is refused
+    plain = merge_self_attention(dynamo_graph(unet, inputs), config)
+    assert not plain.outputs and "tome_plan_slots" not in plain.input_names
+    with pytest.raises(ToMeRewriteError, match="plan_state='sometimes'"):
+        merge_self_attention(dynamo_graph(unet, inputs), config, plan_state="sometimes")
+
+
+@pytest.mark.parametrize("method", ["tome", "importance"])
+def test_plan_every_recomputes_exactly_every_k_calls(sd15, method):
+    unet, inputs = sd15
+    counter = KindCounter()
+    backend = tome_backend(0.5, compiler=counter, seed=1, plan_every=3, method=method)
+    model = torch.compile(copy.deepcopy(unet), backend=backend, fullgraph=True)
+    exact = torch.compile(copy.deepcopy(unet), backend=tome_backend(0.5, compiler="eager", seed=1, method=method),
+                          fullgraph=True)
+    rng = torch.get_rng_state()
+    outs, refs = [], []
+    for t in (999, 950, 900, 850, 800, 750, 700):
+        inputs.timestep = torch.tensor(t)
+        outs.append(call(model, inputs))
+        refs.append(call(exact, inputs))
+    if method == "tome":
+        assert counter.runs == ["make", "reuse", "reuse", "make", "reuse", "reuse", "make"]
+    else:  # the fallback step plans; the first step with a map plans afresh (a new kind of plan)
+        assert counter.runs == ["make", "make", "reuse", "reuse", "make", "reuse", "reuse"]
+    assert sorted(set(counter.compiled)) == ["make", "reuse"]  # all compiled at the first call ...
+    compiled = len(counter.compiled)
+    assert compiled == (2 if method == "tome" else 3)
+    first_reuse = counter.runs.index("reuse")
+    for i in range(first_reuse):
+        assert torch.equal(outs[i], refs[i])  # planning calls before any reuse are exact ToMe
+    assert not torch.equal(outs[first_reuse], refs[first_reuse])  # a reusing call merges with the older plan
+    assert torch.equal(torch.get_rng_state(), rng)  # the global RNG is never touched
+
+    # a new generation (the timestep goes back up) plans at once, though the plan is young
+    inputs.timestep = torch.tensor(999)
+    call(model, inputs)
+    inputs.timestep = torch.tensor(990)
+    call(model, inputs)
+    assert counter.runs[-2:] == ["make", "reuse" if method == "tome" else "make"]
+    backend.reset()
+    call(model, inputs)
+    assert counter.runs[-1] == "make"
+    assert len(counter.compiled) == compiled  # ... and never again: no recompile over the steps
+
+
+def test_a_reused_plan_is_the_plan_of_its_planning_call(sd15):
+    unet, inputs = sd15
+    backend = tome_backend(0.5, compiler="eager", seed=0, plan_every=2)
+    model = torch.compile(copy.deepcopy(unet), backend=backend, fullgraph=True)
+    first = call(model, inputs)
+    state = backend.importance
+    slots = state.plans[0].clone()
+    again = call(model, inputs)  # same inputs, reused plan: the same output, bit for bit
+    assert torch.equal(first, again) and torch.equal(state.plans[0], slots) and state.plan_age == 2
+    moved = copy.copy(inputs)
+    moved.sample = inputs.sample.flip(-1)
+    fresh = call(model, moved)  # plan_age reached 2: this call plans on the new latent
+    assert state.plans_made == 2 and not torch.equal(state.plans[0], slots)
+    exact = torch.compile(copy.deepcopy(unet), backend=tome_backend(0.5, compiler="eager", seed=0), fullgraph=True)
+    call(exact, inputs)  # advance exact's sampler past its first draw (the second reused call drew none)
+    assert torch.equal(fresh, call(exact, moved))
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_plan_every_must_be_a_positive_int(value):
+    with pytest.raises(ToMeConfigError, match="plan_every"):
+        ToMeConfig(plan_every=value)
+
+
+@pytest.mark.parametrize("method", ["tome", "importance"])
+def test_plan_every_export_equals_the_compiled_backend_call_by_call(tmp_path, sd15, method):
+    from tome_compile.export import ToMeSession, export_onnx
+
+    unet, inputs = sd15
+    config = ToMeConfig(ratio=0.5, plan_every=2, seed=0, method=method)
+    result = export_onnx(copy.deepcopy(unet), tmp_path / "every.onnx", config, height=128, width=128, seq_len=7,
+                         atol=1e-4, partition_input=True)
+    assert result.parity_max_abs is not None and result.parity_max_abs <= 1e-4  # both branches checked
+    assert {"tome_plan_slots", "tome_plan_weights", "tome_reuse_plan"} <= set(result.optional_inputs)
+    session = ToMeSession(result.path, seed=4)
+    assert session.plan_every == 2
+    backend = tome_backend(config.replace(seed=4), compiler="eager")
+    model = torch.compile(copy.deepcopy(unet), backend=backend, fullgraph=True)
+    made = []
+    for t in (999, 900, 800, 700, 600, 999, 900):
+        inputs.timestep = torch.tensor(t)
+        got = session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
+        assert (got - call(model, inputs)).abs().max() < 1e-4
+        made.append((session.importance.plans_made, backend.importance.plans_made))
+    assert all(a == b for a, b in made)
+    assert made[-1][0] == (4 if method == "tome" else 5)
+
+
+def test_plan_every_export_runs_with_standard_inputs_only(tmp_path, sd15):
+    import onnxruntime as ort
+    from tome_compile.export import ToMeSession, export_onnx
+
+    unet, inputs = sd15
+    result = export_onnx(copy.deepcopy(unet), tmp_path / "every.onnx", ToMeConfig(ratio=0.5, plan_every=3),
+                         height=128, width=128, seq_len=7, atol=1e-4)
+    session = ort.InferenceSession(str(result.path), providers=["CPUExecutionProvider"])
+    assert [o.name for o in session.get_outputs()] == ["out_sample", "tome_plan_slots_out", "tome_plan_weights_out"]
+    feed = {"sample": inputs.sample[:1].numpy(), "timestep": np.array([999.0], dtype=np.float32),
+            "encoder_hidden_states": inputs.encoder_hidden_states[:1].numpy()}
+    out, slots, weights = session.run(None, feed)  # a client that knows nothing of ToMe: plans every call
+    assert out.shape == (1, 4, 16, 16) and slots.shape == (3 * 256,) and weights.shape == (3 * 128,)
+    tome = ToMeSession(result.path)  # the hashed destinations from tome_seed 0 and the timestep
+    ours = tome(inputs.sample[:1], torch.tensor(999), inputs.encoder_hidden_states[:1]).sample
+    assert np.abs(ours.numpy() - out).max() < 1e-5
+    # fed back, the plans are reused: the same latent gives the same output
+    again = session.run(None, {**feed, "tome_plan_slots": slots, "tome_plan_weights": weights,
+                               "tome_reuse_plan": np.array(True)})[0]
+    assert np.array_equal(again, out)
+    other = session.run(None, {**feed, "tome_plan_slots": slots, "tome_plan_weights": weights,
+                               "tome_reuse_plan": np.array(True), "timestep": np.array([500.0], dtype=np.float32)})
+    replanned = session.run(None, {**feed, "timestep": np.array([500.0], dtype=np.float32)})
+    assert np.array_equal(other[1], slots)  # reusing returns the plans it was given ...
+    assert not np.array_equal(replanned[1], slots)  # ... planning at another step makes new ones
+    assert not np.array_equal(other[0], replanned[0])

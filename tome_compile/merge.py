@@ -298,7 +298,7 @@ def importance_or_tome_plan(
         slot, weight = tome_plan(m, ch, h, w, sx, sy, r_tome)
         return slot.clone(), weight.clone()
 
-    return torch.cond(has_map, with_map, without_map, tuple(operands))
+    return _cond(has_map, with_map, without_map, tuple(operands))
 
 
 def pack_plans(*plans: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -398,7 +398,27 @@ def plan_or_reuse(
         return slot.clone(), weight.clone()
 
     operands = (slots, weights, metric, *(t for t in optional if t is not None))
-    return torch.cond(reuse, reused, made, operands)
+    return _cond(reuse, reused, made, operands)
+
+
+def _cond(pred: torch.Tensor, true_fn: Any, false_fn: Any, operands: tuple[torch.Tensor, ...]) -> Any:
+    """``torch.cond`` where it is traced (export, make_fx, Dynamo: ONNX gets an ``If``); a plain
+    branch when the graph runs eagerly. (Eager ``torch.cond`` compiles its branches with Dynamo,
+    which turns the branch functions' static sizes symbolic once a second block with other sizes
+    calls it, and then cannot match the branches' output strides.) Under fake-tensor propagation
+    (the pass's shape check) both branches run; their outputs must agree in shape."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    if torch.compiler.is_compiling() or get_proxy_mode() is not None:
+        return torch.cond(pred, true_fn, false_fn, operands)
+    if isinstance(pred, FakeTensor):
+        taken, other = true_fn(*operands), false_fn(*operands)
+        if [tuple(t.shape) for t in taken] != [tuple(t.shape) for t in other]:
+            raise RuntimeError(f"cond branches differ in shape: {[tuple(t.shape) for t in taken]} vs "
+                               f"{[tuple(t.shape) for t in other]}")
+        return other
+    return true_fn(*operands) if bool(pred) else false_fn(*operands)
 
 
 def fit_importance(importance: torch.Tensor, h: int, w: int) -> torch.Tensor:
