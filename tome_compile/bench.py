@@ -9,6 +9,9 @@ Variants (each timed once per round, rounds interleaved so machine noise hits al
 * ``tomesd``         tomesd.apply_patch (eager), the existing tool;
 * ``inductor``       torch.compile(unet) with inductor;
 * ``inductor+tome``  torch.compile(unet, backend=tome_backend(ratio));
+* ``inductor+tome-shared``, ``inductor+tome-shared-every2``, ``inductor+tome-every3``, ...: plan
+  reuse — ``share_plan=True`` and/or ``plan_every=k``; a round times a whole cycle of ``k`` calls
+  (one planning call, ``k - 1`` reusing calls) and reports the mean per call;
 * ``oracle``         the same rewritten attentions on N - r tokens with merge/unmerge costing
   nothing (first N - r tokens in, a copy out): the bound ToMe's speed-up can reach.
 
@@ -42,7 +45,22 @@ from tome_compile.models import example_inputs, load_unet
 
 __all__ = ["main", "run_benchmark"]
 
-VARIANTS = ("eager", "tomesd", "inductor", "inductor+tome", "inductor+tome-shared", "oracle")
+VARIANTS = ("eager", "tomesd", "inductor", "inductor+tome", "inductor+tome-shared", "inductor+tome-shared-every2",
+            "inductor+tome-shared-every3", "inductor+tome-every2", "inductor+tome-every3", "oracle")
+
+
+def variant_options(name: str) -> dict[str, Any]:
+    """``inductor+tome[-shared][-everyK]`` -> the ToMeConfig changes it names."""
+    parts = name.split("-")[1:]
+    options: dict[str, Any] = {}
+    for part in parts:
+        if part == "shared":
+            options["share_plan"] = True
+        elif part.startswith("every") and part[5:].isdigit():
+            options["plan_every"] = int(part[5:])
+        else:
+            raise ToMeError(f"unknown variant {name!r}; choose from {VARIANTS}")
+    return options
 logger = logging.getLogger("tome_compile.bench")
 
 
@@ -120,8 +138,8 @@ def _variants(unet: torch.nn.Module, names: list[str], config: ToMeConfig
             out[name] = patched
         elif name == "inductor":
             out[name] = torch.compile(unet, dynamic=False)
-        elif name in ("inductor+tome", "inductor+tome-shared", "oracle"):
-            variant = config.replace(share_plan=True) if name == "inductor+tome-shared" else config
+        elif name.startswith("inductor+tome") or name == "oracle":
+            variant = config.replace(**variant_options(name)) if name != "oracle" else config
             backends[name] = ToMeBackend(variant, oracle=name == "oracle")
             out[name] = torch.compile(unet, backend=backends[name], dynamic=False)
         else:
@@ -145,16 +163,20 @@ def run_size(unet: torch.nn.Module, size: int, args: argparse.Namespace, config:
             model(sample, **kwargs)
             _sync(device)
             results[name].first_call_s = time.perf_counter() - start
+            for _ in range(backends[name].config.plan_every - 1 if name in backends else 0):
+                model(sample, **kwargs)  # warm the reusing graph too
             progress.update(1)
         for round_ in range(args.repeats):
             for name, model in models.items():
                 progress.set_postfix_str(f"{size}² {name}: round {round_ + 1}/{args.repeats}")
                 gc.collect()
+                calls = backends[name].config.plan_every if name in backends else 1  # a whole reuse cycle
                 with PeakMemory(device) as peak:
                     start = time.perf_counter()
-                    model(sample, **kwargs)
+                    for _ in range(calls):
+                        model(sample, **kwargs)
                     _sync(device)
-                    elapsed = time.perf_counter() - start
+                    elapsed = (time.perf_counter() - start) / calls
                 results[name].times.append(elapsed)
                 results[name].peak_bytes.append(peak.peak)
                 progress.update(1)
@@ -244,12 +266,14 @@ def format_tables(result: dict[str, Any]) -> str:
             sites = "-" if row["sites"] is None else str(row["sites"])
             lines.append(f"| {name} | {row['median_s']:.3f} | {vs_ind} | {vs_eager} | {mem:.2f} GB | "
                          f"{row['first_call_s']:.1f} | {sites} |")
-        if "inductor" in v and "inductor+tome" in v and "oracle" in v:
-            t0, t1, t2 = (v[k]["median_s"] for k in ("inductor", "inductor+tome", "oracle"))
-            gain, bound = t0 - t1, t0 - t2
-            share = gain / bound if bound > 0 else float("nan")
-            lines.append(f"\nToMe speed-up {t0 / t1:.3f}x vs oracle {t0 / t2:.3f}x: ToMe keeps "
-                         f"{share:.0%} of the oracle's time saving")
+        if "inductor" in v and "oracle" in v:
+            t0, t2 = v["inductor"]["median_s"], v["oracle"]["median_s"]
+            bound = t0 - t2
+            for name in (k for k in v if k.startswith("inductor+tome")):
+                t1 = v[name]["median_s"]
+                share = (t0 - t1) / bound if bound > 0 else float("nan")
+                lines.append(f"{name}: speed-up {t0 / t1:.3f}x vs oracle {t0 / t2:.3f}x: keeps "
+                             f"{share:.0%} of the oracle's time saving")
     if result.get("blocks"):
         lines.append("\nPer block (C=320, 8 heads, inductor), median s:")
         lines.append("| tokens | r | attention N | attention N-r | saving | ToMe plan+merge+unmerge | "
@@ -304,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--max-downsample", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")
-    parser.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "inductor+tome-shared"],
-                        choices=VARIANTS, help="default: all but inductor+tome-shared (opt in)")
+    parser.add_argument("--variants", nargs="+", default=["eager", "tomesd", "inductor", "inductor+tome", "oracle"],
+                        choices=VARIANTS, help="default: eager tomesd inductor inductor+tome oracle; the plan "
+                        "reuse variants (inductor+tome-shared[-everyK], -everyK) are opt in")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default="bench.json", help="where to write the raw results")
