@@ -66,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the exported models")
     parser.add_argument("--json", default="bench_ort.json")
     parser.add_argument("--variants", nargs="+", default=["baseline", "tome", "oracle"],
-                        choices=["baseline", "tome", "oracle", "shared"],
-                        help="shared: ToMe with share_plan=True (one plan per resolution level)")
+                        help="baseline, tome, oracle, and plan reuse: tome-shared (share_plan=True; 'shared' "
+                             "for short), tome-shared-every3 (+ plan_every=3: a round times a cycle of 3 calls "
+                             "and reports the mean), tome-every2, ...")
     parser.add_argument("--reuse", action="store_true",
                         help="reuse models already exported to --workdir by an earlier run")
     parser.add_argument("--one-session", action="store_true",
@@ -84,17 +85,27 @@ def main(argv: list[str] | None = None) -> int:
     from tome_compile.export import export_onnx
     from tqdm import tqdm
 
-    from tome_compile.bench import PeakMemory
+    from tome_compile.bench import PeakMemory, variant_options
     from tome_compile.config import ToMeConfig
+    from tome_compile.errors import ToMeError
     from tome_compile.models import example_inputs, load_unet
 
+    variants: dict[str, tuple[Any, bool]] = {}
+    try:
+        for name in args.variants:
+            if name == "baseline":
+                variants[name] = (ToMeConfig(ratio=0.0), False)
+            elif name == "oracle":
+                variants[name] = (ToMeConfig(ratio=args.ratio, seed=0), True)
+            elif name.split("-")[0] in ("tome", "shared"):
+                options = variant_options("tome-shared" if name == "shared" else name)
+                variants[f"{name} {args.ratio}"] = (ToMeConfig(ratio=args.ratio, seed=0, **options), False)
+            else:
+                raise ToMeError(f"unknown variant {name!r}: use baseline, oracle, tome[-shared][-everyK]")
+    except ToMeError as e:
+        parser.error(str(e))
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    variants = {"baseline": (ToMeConfig(ratio=0.0), False),
-                f"tome {args.ratio}": (ToMeConfig(ratio=args.ratio, seed=0), False),
-                "oracle": (ToMeConfig(ratio=args.ratio, seed=0), True),
-                f"shared {args.ratio}": (ToMeConfig(ratio=args.ratio, seed=0, share_plan=True), False)}
-    variants = {k: v for k, v in variants.items() if k.split()[0] in args.variants}
     result: dict[str, Any] = {"model": args.model, "ratio": args.ratio,
                               "optimized": not args.no_optimize,
                               "repeats": args.repeats, "onnxruntime": ort.__version__,
@@ -130,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             inputs = example_inputs(load_unet(args.model)[0], batch=batch, height=size, width=size)
             gc.collect()
             times: dict[str, list[float]] = {k: [] for k in paths}
+            cycle = {k: variants[k][0].plan_every for k in paths}
             peaks: dict[str, list[int]] = {k: [] for k in paths}
             # Peak memory: the first run of a fresh session grows its arena to what a call needs;
             # later runs reuse it. So the warm-up run is the one measured.
@@ -138,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                     bar.set_postfix_str(f"{size}² warm-up {label}")
                     session = session_of(label)
                     with PeakMemory(torch.device("cpu")) as peak:
-                        session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states)
+                        for _ in range(cycle[label]):  # plan_every: the reusing branch warms up too
+                            session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states)
                     peaks[label].append(peak.peak)
                 bar.update(1)
             for round_ in range(args.repeats):
@@ -150,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                             session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states)
                         peaks[label].append(peak.peak)
                     start = time.perf_counter()
-                    session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states)
-                    times[label].append(time.perf_counter() - start)
+                    for _ in range(cycle[label]):  # plan_every=k: one planning call, k - 1 reusing
+                        session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states)
+                    times[label].append((time.perf_counter() - start) / cycle[label])
                     session_of.release(label)
                     bar.update(1)
             result["sizes"].append({"size": size, "batch": batch, "variants": {
@@ -178,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             parity = "-" if row["parity_max_abs"] is None else f"{row['parity_max_abs']:.1e}"
             print(f"| {label} | {row['median_s']:.3f} | {ratio} | "
                   f"{statistics.median(row['peak_bytes']) / 2**30:.2f} GB | {parity} | {row['sites'] or '-'} |")
+        if base and "oracle" in v and base > v["oracle"]["median_s"]:
+            bound = base - v["oracle"]["median_s"]
+            for label in (k for k in v if k not in ("baseline", "oracle")):
+                print(f"{label}: keeps {(base - v[label]['median_s']) / bound:.0%} of the oracle's time saving")
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
     print(f"\nwrote {args.json}")

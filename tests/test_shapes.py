@@ -172,9 +172,10 @@ def test_quality_benchmark_tables():
     model = build_model(seed=4).eval()
     prompts, seeds = ["red circle", "blue ring", "green cross", "cyan square"], [0, 1, 2, 3]
     result = run_quality(model, load_probe(), prompts, seeds, ratios=[0.3, 0.7], steps=2, compiler="eager",
-                         progress=False)
+                         progress=False, methods=("tome", "importance", "tome-shared-every2"))
     names = [r["method"] for r in result["rows"]]
-    assert names == ["plain", "plain, other seeds", "tome 0.3", "importance 0.3", "tome 0.7", "importance 0.7"]
+    assert names == ["plain", "plain, other seeds", "tome 0.3", "importance 0.3", "tome-shared-every2 0.3",
+                     "tome 0.7", "importance 0.7", "tome-shared-every2 0.7"]
     rows = {r["method"]: r for r in result["rows"]}
     for name in names[1:]:
         mean, low, high = rows[name]["psnr_db"]
@@ -182,17 +183,24 @@ def test_quality_benchmark_tables():
     # merging keeps pictures much closer to the plain ones than a different seed does
     assert rows["tome 0.3"]["psnr_db"][0] > rows["plain, other seeds"]["psnr_db"][0] + 10
     assert rows["tome 0.3"]["psnr_db"][0] > rows["tome 0.7"]["psnr_db"][0]  # more merging, less fidelity
-    assert [e["ratio"] for e in result["paired"]] == [0.3, 0.7]
+    assert [(e["variant"], e["ratio"]) for e in result["paired"]] == [
+        ("importance", 0.3), ("tome-shared-every2", 0.3), ("importance", 0.7), ("tome-shared-every2", 0.7)]
+    # the second step reuses the first step's plans: not the exact ToMe picture
+    assert result["per_image"]["tome-shared-every2 0.3"]["psnr_db"] != result["per_image"]["tome 0.3"]["psnr_db"]
     delta = result["paired"][0]["delta_psnr_db"][0]
     per = result["per_image"]
     expected = sum(a - b for a, b in zip(per["importance 0.3"]["psnr_db"], per["tome 0.3"]["psnr_db"])) / 4
     assert abs(delta - expected) < 1e-9
     table = format_tables(result)
-    assert "| tome 0.7 |" in table and "| 0.3 |" in table and "plain, other seeds" in table
+    assert "| tome 0.7 |" in table and "| importance | 0.3 |" in table and "plain, other seeds" in table
+    assert "| tome-shared-every2 | 0.7 |" in table
 
 
 @pytest.mark.parametrize("argv, words", [
     (["--ratios", "0.3", "0.95"], "ratio=0.95"),
+    (["--variants", "importance"], "include tome"),
+    (["--variants", "tome", "tome-every0"], "plan_every=0"),
+    (["--variants", "tome", "tome-often"], "unknown variant"),
     (["--seeds", "0"], "--seeds 0"),
     (["--out", "/nonexistent/q.json"], "does not exist"),
 ])

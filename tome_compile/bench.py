@@ -59,7 +59,8 @@ def variant_options(name: str) -> dict[str, Any]:
         elif part.startswith("every") and part[5:].isdigit():
             options["plan_every"] = int(part[5:])
         else:
-            raise ToMeError(f"unknown variant {name!r}; choose from {VARIANTS}")
+            raise ToMeError(f"unknown variant {name!r}: plan-reuse variants are NAME[-shared][-everyK], "
+                            "e.g. tome-shared, tome-shared-every3")
     return options
 logger = logging.getLogger("tome_compile.bench")
 

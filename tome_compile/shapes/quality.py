@@ -10,8 +10,10 @@ with every per-picture number:
   95% interval over pictures), probe accuracy, and the distance between the probe's features of
   the merged and the plain picture. The "plain, other seeds" row is the noise floor: the same
   prompts with a second seed set, i.e. how far apart two *different* correct pictures are;
-* importance minus ToMe at equal ratio, paired per picture: mean difference with its interval
-  and the share of pictures on which importance is closer to the plain picture (ties count 1/2).
+* every other variant minus exact (random) ToMe at equal ratio, paired per picture: mean
+  difference with its interval and the share of pictures on which the variant is closer to the
+  plain picture (ties count 1/2). Variants: ``tome``, ``importance``, and plan reuse —
+  ``tome-shared`` (``share_plan``), ``tome-shared-every3`` (+ ``plan_every=3``), ``importance-every2``...
 
 These are fidelity to the unmerged model on our own 32x32 model, not FID or CLIP score.
 """
@@ -44,6 +46,7 @@ def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *,
     """Generate and score the fixed set; returns per-picture numbers and the summaries."""
     from tqdm import tqdm
 
+    from tome_compile.bench import variant_options
     from tome_compile.shapes.metrics import PSNR_CAP_DB, bootstrap_mean, psnr, ssim
     from tome_compile.shapes.sample import compile_unet, generate
 
@@ -51,8 +54,9 @@ def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *,
     runs += [(f"{m} {r}", m, r) for r in ratios for m in methods]
     images: dict[str, torch.Tensor] = {}
     other_seeds = [NOISE_FLOOR_SEED + s for s in seeds]
-    for name, method, ratio in tqdm(runs, desc="quality", unit="method", disable=not progress, file=sys.stderr):
-        unet = compile_unet(model.unet, method, ratio, compiler)
+    for name, variant, ratio in tqdm(runs, desc="quality", unit="method", disable=not progress, file=sys.stderr):
+        method = variant.split("-")[0]
+        unet = compile_unet(model.unet, method, ratio, compiler, **variant_options(variant))
         images[name] = generate(model, prompts, other_seeds if name == "plain, other seeds" else seeds,
                                 steps=steps, guidance=guidance, unet=unet)
         logger.info("generated %d pictures: %s", len(prompts), name)
@@ -76,15 +80,16 @@ def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *,
         rows.append(row)
 
     paired = []
-    if {"tome", "importance"} <= set(methods):
+    if "tome" in methods:
         for r in ratios:
-            a, b = per_image[f"importance {r}"], per_image[f"tome {r}"]
-            entry: dict[str, Any] = {"ratio": r}
-            for key in ("psnr_db", "ssim"):
-                x, y = torch.tensor(a[key], dtype=torch.float64), torch.tensor(b[key], dtype=torch.float64)
-                entry[f"delta_{key}"] = bootstrap_mean(x - y)
-                entry[f"importance_wins_{key}"] = bootstrap_mean((x > y).double() + 0.5 * (x == y).double())
-            paired.append(entry)
+            for variant in (m for m in methods if m != "tome"):
+                a, b = per_image[f"{variant} {r}"], per_image[f"tome {r}"]
+                entry: dict[str, Any] = {"ratio": r, "variant": variant}
+                for key in ("psnr_db", "ssim"):
+                    x, y = torch.tensor(a[key], dtype=torch.float64), torch.tensor(b[key], dtype=torch.float64)
+                    entry[f"delta_{key}"] = bootstrap_mean(x - y)
+                    entry[f"closer_{key}"] = bootstrap_mean((x > y).double() + 0.5 * (x == y).double())
+                paired.append(entry)
     return {"pictures": len(prompts), "prompts": prompts, "seeds": seeds, "other_seeds": other_seeds,
             "steps": steps, "guidance": guidance, "compiler": compiler, "ratios": ratios,
             "rows": rows, "paired": paired, "per_image": per_image}
@@ -107,12 +112,13 @@ def format_tables(result: dict[str, Any]) -> str:
         lines.append(f"| {r['method']} | {_ci(r['psnr_db'], '.2f')} | {_ci(r['ssim'], '.4f')} | "
                      f"{_ci(r['feature_distance'], '.3f')} | {r['probe_accuracy']:.1%} |")
     if result["paired"]:
-        lines += ["", "importance minus random ToMe at equal ratio, paired per picture:", "",
-                  "| ratio | delta PSNR (dB) | delta SSIM | importance closer (PSNR) | importance closer (SSIM) |",
-                  "|---:|---:|---:|---:|---:|"]
+        lines += ["", "each variant minus exact random ToMe at equal ratio, paired per picture:", "",
+                  "| variant | ratio | delta PSNR (dB) | delta SSIM | variant closer (PSNR) | variant closer (SSIM) |",
+                  "|---|---:|---:|---:|---:|---:|"]
         for e in result["paired"]:
-            lines.append(f"| {e['ratio']} | {_ci(e['delta_psnr_db'], '+.2f')} | {_ci(e['delta_ssim'], '+.4f')} | "
-                         f"{_ci(e['importance_wins_psnr_db'], '.0%')} | {_ci(e['importance_wins_ssim'], '.0%')} |")
+            lines.append(f"| {e['variant']} | {e['ratio']} | {_ci(e['delta_psnr_db'], '+.2f')} | "
+                         f"{_ci(e['delta_ssim'], '+.4f')} | {_ci(e['closer_psnr_db'], '.0%')} | "
+                         f"{_ci(e['closer_ssim'], '.0%')} |")
     return "\n".join(lines)
 
 
@@ -123,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a shapes-model folder (default: the shipped one)")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.3, 0.5, 0.7])
+    parser.add_argument("--variants", nargs="+", default=["tome", "importance"],
+                        help="tome, importance, and plan reuse: METHOD[-shared][-everyK] "
+                             "(e.g. tome-shared tome-shared-every3); paired deltas are against tome")
     parser.add_argument("--seeds", type=int, default=4, help="seeds per prompt (30 prompts)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="DDIM steps")
     parser.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE, help="CFG scale")
@@ -132,11 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         from tome_compile import ToMeConfig
+        from tome_compile.bench import variant_options
         from tome_compile.shapes.model import load_model
         from tome_compile.shapes.probe import load_probe
 
+        if "tome" not in args.variants:
+            raise ValueError(f"--variants {args.variants}: include tome, the reference of the paired deltas")
         for r in args.ratios:
-            ToMeConfig(ratio=r, method="importance")
+            for variant in args.variants:
+                if variant.split("-")[0] not in ("tome", "importance"):
+                    raise ValueError(f"--variants: {variant!r} must start with tome or importance")
+                ToMeConfig(ratio=r, method=variant.split("-")[0], **variant_options(variant))
         if args.seeds < 1:
             raise ValueError(f"--seeds {args.seeds} must be >= 1 (4 gives the default 120 pairs)")
         out = Path(args.out)
@@ -145,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(args.model)
         prompts = [f"{c} {s}" for c in COLOURS for s in SHAPES for _ in range(args.seeds)]
         seeds = [k for _ in COLOURS for _ in SHAPES for k in range(args.seeds)]
-        result = run_quality(model, load_probe(), prompts, seeds, ratios=args.ratios,
+        result = run_quality(model, load_probe(), prompts, seeds, ratios=args.ratios, methods=tuple(args.variants),
                              steps=args.steps, guidance=args.guidance, compiler=args.compiler)
     except (ToMeError, ValueError) as e:
         print(f"quality: error: {e}", file=sys.stderr)
