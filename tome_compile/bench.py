@@ -157,7 +157,10 @@ def run_size(unet: torch.nn.Module, size: int, args: argparse.Namespace, config:
     torch._dynamo.reset()
     models, backends = _variants(unet, args.variants, config)
     results = {name: VariantResult(name) for name in models}
-    with torch.inference_mode():
+    # Every variant compiles the same forward: past Dynamo's recompile limit (8 by default) the
+    # later ones would silently run the plain model. Room for all of them, and a check below.
+    limit = torch._dynamo.config.patch(recompile_limit=max(8, 2 * len(models) + 2))
+    with torch.inference_mode(), limit:
         for name, model in models.items():
             progress.set_postfix_str(f"{size}² {name}: first call (compile)")
             start = time.perf_counter()
@@ -166,6 +169,8 @@ def run_size(unet: torch.nn.Module, size: int, args: argparse.Namespace, config:
             results[name].first_call_s = time.perf_counter() - start
             for _ in range(backends[name].config.plan_every - 1 if name in backends else 0):
                 model(sample, **kwargs)  # warm the reusing graph too
+            if name in backends and not any(r.modified for r in backends[name].reports):
+                raise ToMeError(f"{name}: the ToMe backend rewrote no graph; timing it would time the plain model")
             progress.update(1)
         for round_ in range(args.repeats):
             for name, model in models.items():

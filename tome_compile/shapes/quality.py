@@ -54,11 +54,21 @@ def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *,
     runs += [(f"{m} {r}", m, r) for r in ratios for m in methods]
     images: dict[str, torch.Tensor] = {}
     other_seeds = [NOISE_FLOOR_SEED + s for s in seeds]
+    from tome_compile import tome_backend
+
     for name, variant, ratio in tqdm(runs, desc="quality", unit="method", disable=not progress, file=sys.stderr):
         method = variant.split("-")[0]
-        unet = compile_unet(model.unet, method, ratio, compiler, **variant_options(variant))
+        # Each run compiles afresh: Dynamo keeps every compile of the U-Net's forward and, past its
+        # recompile limit (8), silently runs the plain model — the later variants would measure nothing.
+        torch._dynamo.reset()
+        backend = (None if method == "plain" else
+                   tome_backend(ratio, seed=0, method=method, compiler=compiler, **variant_options(variant)))
+        unet = compile_unet(model.unet, method, ratio, compiler, backend=backend)
         images[name] = generate(model, prompts, other_seeds if name == "plain, other seeds" else seeds,
                                 steps=steps, guidance=guidance, unet=unet)
+        if backend is not None and not any(report.modified for report in backend.reports):
+            raise ToMeError(f"{name}: the ToMe backend never rewrote a graph in this run; its pictures would "
+                            "be the plain model's")
         logger.info("generated %d pictures: %s", len(prompts), name)
 
     plain = images["plain"]
