@@ -8,7 +8,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_SD15, call, dynamo_graph, tiny_inputs, tiny_unet
+from conftest import TINY_SD15, call, dynamo_graph, tiny_inputs, tiny_unet, tomesd_reference
 
 from tome_compile import ToMeConfig, merge_self_attention, tome_backend
 from tome_compile.errors import ToMeConfigError, ToMeRewriteError
@@ -50,6 +50,36 @@ def test_shared_plan_merges_with_the_makers_plan(sd15):
     shared_out, exact_out = call(model, inputs), call(exact, inputs)
     assert shared_out.shape == exact_out.shape
     assert (shared_out - exact_out).abs().max() > 1e-6  # the up blocks merge with the first block's plan
+
+
+def test_shared_plan_equals_tomesd_with_its_plan_cached_per_token_count(sd15, monkeypatch):
+    """The reference for share_plan: tomesd whose compute_merge is made once per token count per
+    U-Net call (at the first block of that count) and handed to the later blocks unchanged."""
+    import tomesd.merge
+    import tomesd.patch
+
+    unet, inputs = sd15
+    made: dict[int, tuple] = {}
+    compute_merge = tomesd.patch.compute_merge
+
+    def once_per_token_count(x, tome_info):
+        if x.shape[1] not in made:
+            made[x.shape[1]] = compute_merge(x, tome_info)
+        return made[x.shape[1]]
+
+    ref = tomesd_reference(unet, ratio=0.5, use_rand=False)
+    ref.register_forward_pre_hook(lambda *args: made.clear())
+    monkeypatch.setattr(tomesd.patch, "compute_merge", once_per_token_count)
+    expected = call(ref, inputs)
+    assert sorted(made) == [64, 256]  # tomesd asks at every block; only the 256-token one merges
+    assert made[64][0] is tomesd.merge.do_nothing and made[256][0] is not tomesd.merge.do_nothing
+    monkeypatch.undo()
+    model = torch.compile(copy.deepcopy(unet), backend=tome_backend(0.5, compiler="eager", use_rand=False,
+                                                                    share_plan=True), fullgraph=True)
+    got = call(model, inputs)
+    assert (got - expected).abs().max() < 1e-5
+    # negative: plain tomesd (a plan per block) is not what share_plan computes
+    assert (got - call(tomesd_reference(unet, ratio=0.5, use_rand=False), inputs)).abs().max() > 1e-3
 
 
 def test_single_block_level_equals_exact_tome():
