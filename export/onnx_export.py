@@ -26,7 +26,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -398,21 +398,9 @@ def export_onnx(
             step("checking parity: ONNX Runtime vs PyTorch (same inputs and partition)")
             start = time.perf_counter()
             session = _session(tmp_model)
-            _parity(export, session, gm, args, extra, fp16, atol, references)
-            if any(spec.draw == "has_map" for spec in result.inputs):  # the fallback branch too
-                _parity(export, session, gm, args, _example_tome_inputs(result, seed, with_map=False),
-                        fp16, atol, references, key="no map")
-            if result.outputs:  # plan_every: the reusing branch, fed the plans PyTorch just made
-                with torch.no_grad():
-                    made = gm(*args, *extra)
-                reuse = draw_tome_inputs(result.inputs, PartitionSampler(seed), None, "cpu",
-                                         plans=(made[1], made[2]))
-                _parity(export, session, gm, args, reuse, fp16, atol, references, key="reused plans")
-            if dynamic:  # another batch from the same file
-                one = [a[:1] if name in PER_IMAGE_INPUTS else a for name, a in zip(names, args)]
-                one_extra = [e[: e.numel() // traced] if spec.name in _FLAT_STATE else e
-                             for spec, e in zip(result.inputs, extra)]  # one image's share of the plans
-                _parity(export, session, gm, tuple(one), one_extra, fp16, atol, references, key="batch 1")
+            checks = _parity_checks(result, gm, args, extra, names, seed, traced if dynamic else None)
+            for key, check_args, check_extra in checks:
+                _parity(export, session, gm, check_args, check_extra, fp16, atol, references, key=key)
             del session
             gc.collect()
             times["parity"] = time.perf_counter() - start
@@ -424,7 +412,10 @@ def export_onnx(
             final.parent.mkdir()
             export.fusions = optimize_for_ort(tmp_model, final, optimize)
             if check_parity and _can_run(optimize):
-                _parity(export, _session(final), gm, args, extra, fp16, atol, references)
+                session = _session(final)
+                for key, check_args, check_extra in checks:  # every branch again, from the references
+                    _parity(export, session, gm, check_args, check_extra, fp16, atol, references, key=key)
+                del session
             elif check_parity:
                 logger.warning("parity of the CUDA-optimised graph needs the CUDA EP (its fused ops have no "
                                "CPU kernel); the unoptimised graph passed")
@@ -463,6 +454,28 @@ _FUSED_OPS = ("MultiHeadAttention", "LayerNormalization", "SkipLayerNormalizatio
               "BiasSplitGelu", "NhwcConv", "BiasAdd")
 
 
+def _parity_checks(result: ToMeResult, gm: fx.GraphModule, args: tuple[torch.Tensor, ...], extra: list[torch.Tensor],
+                   names: list[str], seed: int, traced: int | None
+                   ) -> list[tuple[str, tuple[torch.Tensor, ...], list[torch.Tensor]]]:
+    """The calls on which ONNX Runtime must equal PyTorch, ``(key, args, extra inputs)``: the traced
+    call; importance's fallback branch; plan_every's reusing branch (fed the plans PyTorch made);
+    with ``traced`` (a dynamic batch traced at that size) batch 1 from the same file."""
+    checks = [("traced", tuple(args), list(extra))]
+    if any(spec.draw == "has_map" for spec in result.inputs):
+        checks.append(("no map", tuple(args), _example_tome_inputs(result, seed, with_map=False)))
+    if result.outputs:
+        with torch.no_grad():
+            made = gm(*args, *extra)
+        checks.append(("reused plans", tuple(args), draw_tome_inputs(result.inputs, PartitionSampler(seed), None,
+                                                                     "cpu", plans=(made[1], made[2]))))
+    if traced is not None:
+        one = tuple(a[:1] if name in PER_IMAGE_INPUTS else a for name, a in zip(names, args))
+        one_extra = [e[: e.numel() // traced] if spec.name in _FLAT_STATE else e
+                     for spec, e in zip(result.inputs, extra)]  # one image's share of the plans
+        checks.append(("batch 1", one, one_extra))
+    return checks
+
+
 def optimize_for_ort(src: Path, dst: Path, provider: str) -> dict[str, int]:
     """ONNX Runtime's transformer optimizer on ``src`` -> ``dst`` (+ ``dst.data``), as ORT's own
     Stable Diffusion pipeline runs it (``model_type="unet"``, Python fusions only, no provider-
@@ -477,8 +490,12 @@ def optimize_for_ort(src: Path, dst: Path, provider: str) -> dict[str, int]:
             setattr(options, name, False)
     logging.disable(logging.WARNING)  # the fusions log every shape they cannot read, per node
     try:
-        model = optimize_model(str(src), model_type="unet", opt_level=0, optimization_options=options,
-                               use_gpu=provider == "cuda")
+        control_flow = _has_subgraphs(src)
+        with _subgraph_inference_reads_what_it_uses(control_flow) as patched:
+            if control_flow and not patched:
+                options.enable_shape_inference = False  # fewer fusions, but no 20 GB copies
+            model = optimize_model(str(src), model_type="unet", opt_level=0, optimization_options=options,
+                                   use_gpu=provider == "cuda")
     finally:
         logging.disable(logging.NOTSET)
     try:
@@ -492,6 +509,71 @@ def optimize_for_ort(src: Path, dst: Path, provider: str) -> dict[str, int]:
     del model
     gc.collect()
     return counts
+
+
+@contextlib.contextmanager
+def _subgraph_inference_reads_what_it_uses(needed: bool) -> Iterator[bool]:
+    """Work around ONNX Runtime's symbolic shape inference on a model with ``If`` nodes
+    (``plan_every``, importance's in-graph fallback): for each subgraph it builds a temporary
+    model whose implicit inputs are *every* value known so far, initializers included — a copy of
+    all the weights per subgraph, several copies deep (> 20 GB for the SD 1.5 U-Net at the first
+    ``If``; onnxruntime 1.32). While the optimizer runs, the subgraph sees only the values it
+    reads (the same shapes result). Yields whether the work-around is in place: False when not
+    needed, or when this onnxruntime's internals differ (the caller then turns shape inference
+    off rather than run out of memory)."""
+    cls = None
+    if needed:
+        try:
+            from shape_infer_helper import SymbolicShapeInferenceHelper  # ORT puts its folder on sys.path
+
+            cls = next((c for c in SymbolicShapeInferenceHelper.__mro__ if "_onnx_infer_subgraph" in vars(c)), None)
+        except ImportError:
+            cls = None
+    if cls is None:
+        yield False
+        return
+    original = vars(cls)["_onnx_infer_subgraph"]
+
+    def infer_subgraph(self: Any, node: Any, subgraph: Any, *args: Any, **kwargs: Any) -> Any:
+        known = self.known_vi_
+        used = _names_read(subgraph)
+        self.known_vi_ = {name: vi for name, vi in known.items() if name in used}
+        try:
+            return original(self, node, subgraph, *args, **kwargs)
+        finally:
+            known.update(self.known_vi_)
+            self.known_vi_ = known
+
+    setattr(cls, "_onnx_infer_subgraph", infer_subgraph)
+    try:
+        yield True
+    finally:
+        setattr(cls, "_onnx_infer_subgraph", original)
+
+
+def _names_read(graph: Any) -> set[str]:
+    """Every value name a graph's nodes read, nested subgraphs included."""
+    import onnx
+
+    names: set[str] = set()
+    for node in graph.node:
+        names.update(node.input)
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                names |= _names_read(a.g)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for g in a.graphs:
+                    names |= _names_read(g)
+    return names
+
+
+def _has_subgraphs(path: Path) -> bool:
+    """Whether the model has control flow (``If``: importance's in-graph fallback, ``plan_every``)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+               for node in model.graph.node for a in node.attribute)
 
 
 def default_providers() -> list[str]:

@@ -300,3 +300,51 @@ def test_plan_every_export_runs_with_standard_inputs_only(tmp_path, sd15):
     assert np.array_equal(other[1], slots)  # reusing returns the plans it was given ...
     assert not np.array_equal(replanned[1], slots)  # ... planning at another step makes new ones
     assert not np.array_equal(other[0], replanned[0])
+
+
+def test_plan_every_export_optimizes_like_the_plain_tome_export(tmp_path, sd15):
+    """ORT's transformer optimizer on an export with If nodes: the same fusions as without them
+    (its shape inference works through the subgraphs), and every branch still equals PyTorch."""
+    from tome_compile.export import export_onnx
+
+    unet, _ = sd15
+    result = export_onnx(copy.deepcopy(unet), tmp_path / "every2.onnx", ToMeConfig(ratio=0.5, plan_every=2, seed=0),
+                         height=128, width=128, seq_len=7, atol=1e-4, optimize="cpu")
+    assert result.fusions == {"LayerNormalization": 4, "MultiHeadAttention": 8, "SkipLayerNormalization": 8}
+    assert result.parity_max_abs is not None and result.parity_max_abs <= 1e-4
+
+
+def test_subgraph_shape_inference_copies_only_what_the_subgraph_reads():
+    """The work-around for ORT's shape inference copying every initializer per If subgraph (> 20 GB
+    on SD 1.5): the subgraph's temporary model holds the initializers it reads, not the others."""
+    import onnx
+    import onnxruntime.transformers.optimizer  # noqa: F401  (puts ORT's helper modules on sys.path)
+    from onnx import TensorProto, helper, numpy_helper
+    from shape_infer_helper import SymbolicShapeInferenceHelper
+
+    from tome_compile.export.onnx_export import _subgraph_inference_reads_what_it_uses
+
+    def branch(name, node):
+        return helper.make_graph([node], name, [], [helper.make_tensor_value_info("y_" + name, TensorProto.FLOAT,
+                                                                                  None)])
+    then = branch("then", helper.make_node("Add", ["x", "c"], ["y_then"]))
+    other = branch("else", helper.make_node("Identity", ["x"], ["y_else"]))
+    graph = helper.make_graph(
+        [helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other)], "g",
+        [helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.ones(2, np.float32), "c"),
+         numpy_helper.from_array(np.zeros(1000, np.float32), "weights_nobody_reads")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+
+    def subgraph_initializers(patched: bool) -> set[str]:
+        with _subgraph_inference_reads_what_it_uses(patched) as active:
+            assert active == patched
+            shapes = SymbolicShapeInferenceHelper(onnx.ModelProto.FromString(model.SerializeToString()))
+            assert shapes.infer({})
+            assert shapes.get_edge_shape("y") == [2]
+        return {i.name for i in shapes.tmp_mp_.graph.initializer}
+
+    assert subgraph_initializers(True) == set()  # the last branch inferred (Identity) reads no weight
+    assert subgraph_initializers(False) == {"c", "weights_nobody_reads"}  # ORT as shipped: all of them
