@@ -563,7 +563,7 @@ def test_sigterm_cleans_up(tmp_path, sd15_folder):
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143 and "SIGTERM" in err and "Traceback" not in err
+    assert proc.returncode == 143 and "SIGTERM" in err and "Traceback" not in err, err[-4000:]
     assert list(tmp_path.iterdir()) == []
 
 
