@@ -544,11 +544,11 @@ def _subgraph_inference_reads_what_it_uses(needed: bool) -> Iterator[bool]:
             known.update(self.known_vi_)
             self.known_vi_ = known
 
-    setattr(cls, "_onnx_infer_subgraph", infer_subgraph)
+    cls._onnx_infer_subgraph = infer_subgraph
     try:
         yield True
     finally:
-        setattr(cls, "_onnx_infer_subgraph", original)
+        cls._onnx_infer_subgraph = original
 
 
 def _names_read(graph: Any) -> set[str]:
