@@ -210,8 +210,8 @@ def _destination(args: argparse.Namespace) -> tuple[Path, list[Path]]:
 
 def _entry() -> None:
     """Console entry point. After an interrupt the export has already removed its temp folder;
-    exit at once rather than through interpreter shutdown, which can crash (SIGSEGV, seen in 1 of
-    ~15 SIGTERM runs) while the interrupted exporter's state is half torn down."""
+    exit at once rather than through interpreter shutdown, which can crash (SIGSEGV, seen in 2 of
+    ~17 SIGTERM runs) while the interrupted exporter's state is half torn down."""
     code = main()
     if code in (130, 143):
         sys.stdout.flush()
