@@ -62,6 +62,8 @@ def variant_options(name: str) -> dict[str, Any]:
             raise ToMeError(f"unknown variant {name!r}: plan-reuse variants are NAME[-shared][-everyK], "
                             "e.g. tome-shared, tome-shared-every3")
     return options
+
+
 logger = logging.getLogger("tome_compile.bench")
 
 

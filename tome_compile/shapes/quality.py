@@ -46,6 +46,7 @@ def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *,
     """Generate and score the fixed set; returns per-picture numbers and the summaries."""
     from tqdm import tqdm
 
+    from tome_compile import tome_backend
     from tome_compile.bench import variant_options
     from tome_compile.shapes.metrics import PSNR_CAP_DB, bootstrap_mean, psnr, ssim
     from tome_compile.shapes.sample import compile_unet, generate
@@ -54,8 +55,6 @@ def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *,
     runs += [(f"{m} {r}", m, r) for r in ratios for m in methods]
     images: dict[str, torch.Tensor] = {}
     other_seeds = [NOISE_FLOOR_SEED + s for s in seeds]
-    from tome_compile import tome_backend
-
     for name, variant, ratio in tqdm(runs, desc="quality", unit="method", disable=not progress, file=sys.stderr):
         method = variant.split("-")[0]
         # Each run compiles afresh: Dynamo keeps every compile of the U-Net's forward and, past its

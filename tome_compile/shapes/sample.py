@@ -50,17 +50,16 @@ def generate(model: ShapesModel, prompts: list[str], seeds: list[int], *, steps:
     return ((x.clamp(-1, 1) + 1) / 2).float()
 
 
-def compile_unet(unet: torch.nn.Module, method: str, ratio: float, compiler: str, backend: Any = None,
-                 **options: Any) -> Any:
+def compile_unet(unet: torch.nn.Module, method: str, ratio: float, compiler: str, backend: Any = None) -> Any:
     """The U-Net as ``tome-demo`` and the quality benchmark run it: ``method="plain"`` through
     ``compiler`` alone (``"eager"``: the module itself), ``"tome"`` / ``"importance"`` through
-    ``backend``, default ``tome_backend(ratio, seed=0, method=method, compiler=compiler, **options)``."""
+    ``backend``, default ``tome_backend(ratio, seed=0, method=method, compiler=compiler)``."""
     from tome_compile import tome_backend
 
     if method == "plain":
         return unet if compiler == "eager" else torch.compile(unet, backend=compiler, dynamic=False)
     if backend is None:
-        backend = tome_backend(ratio, seed=0, method=method, compiler=compiler, **options)
+        backend = tome_backend(ratio, seed=0, method=method, compiler=compiler)
     return torch.compile(unet, dynamic=False, backend=backend)
 
 
