@@ -90,8 +90,27 @@ class _Terminated(BaseException):
     """SIGTERM arrived: unwind (the export's temp folder is removed on the way out)."""
 
 
+# Set by the signal handlers and checked again at every export step and before the output is moved
+# into place: the exception a handler raises can be lost in a library (torch.onnx's capture falls
+# back to its next strategy on any error; C++ callbacks can turn it into one), and an export that
+# finished after a SIGTERM (CI saw one exit 0) is worse than one that stopped.
+_interrupted: list[str] = []
+
+
 def _on_sigterm(signum: int, frame: object) -> None:
+    _interrupted.append("SIGTERM")
     raise _Terminated
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    _interrupted.append("interrupted")
+    raise KeyboardInterrupt
+
+
+def _check_interrupted() -> None:
+    """Raise again what a signal handler raised, if it was swallowed on the way up."""
+    if _interrupted:
+        raise _Terminated if _interrupted[0] == "SIGTERM" else KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    _interrupted.clear()
+    previous = ((signal.signal(signal.SIGTERM, _on_sigterm), signal.signal(signal.SIGINT, _on_sigint))
+                if main_thread else None)
     try:
         return _run(args)
     except ToMeError as e:
@@ -113,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tome-export: {name}: stopped; nothing was written", file=sys.stderr)
         return 143 if isinstance(e, _Terminated) else 130
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous[0])
+            signal.signal(signal.SIGINT, previous[1])
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -143,7 +165,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.model not in ARCHITECTURES and not Path(args.model).exists():
         raise _UsageError(f"--model {args.model!r}: no such folder, and not one of {ARCHITECTURES}")
 
-    steps = ["load", "trace", "rewrite", "convert", "inventory", "parity"] + (["optimize"] if args.optimize else [])
+    steps = ["load", "trace", "rewrite", "convert", "inventory", "parity"] + (["optimize"] if args.optimize else []) + ["write"]
     with tqdm(total=len(steps), desc="tome-export", unit="step", file=sys.stderr) as bar:
         bar.set_postfix_str("loading the U-Net")
         unet, description = load_unet(args.model)
@@ -151,6 +173,7 @@ def _run(args: argparse.Namespace) -> int:
         bar.update(1)
 
         def step(message: str) -> None:
+            _check_interrupted()
             bar.set_postfix_str(message)
             bar.update(1) if bar.n < bar.total - 1 else None
 

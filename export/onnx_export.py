@@ -421,6 +421,7 @@ def export_onnx(
                                "CPU kernel); the unoptimised graph passed")
             times["optimize"] = time.perf_counter() - start
 
+        step(f"writing {out.name}")  # the last point where an interrupted export still stops
         files = sorted(p for p in final.parent.iterdir() if p.is_file())
         for f in sorted(files, key=lambda p: p.suffix == ".onnx"):  # data first, model last
             try:
