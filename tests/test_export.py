@@ -9,8 +9,7 @@ import onnx
 import pytest
 import torch
 from conftest import call, tiny_inputs, tiny_unet, tomesd_reference
-from tome_compile.export import ToMeSession, check_op_inventory, export_onnx
-from tome_compile.export import cli
+from tome_compile.export import ToMeSession, check_op_inventory, cli, export_onnx
 from tome_compile.export.cli import main
 
 from tome_compile import ToMeConfig, ToMeExportError, tome_backend
@@ -585,7 +584,7 @@ def test_a_swallowed_interrupt_still_stops_the_export(tmp_path, sd15_folder, mon
         try:
             os.kill(os.getpid(), getattr(signal, signum))
             time.sleep(5)  # the handler raises in here
-        except BaseException:  # what a careless library does
+        except BaseException:  # noqa: BLE001 — what a careless library does
             reached.append("swallowed")
         step("converting")
         reached.append("went on")  # must not happen
