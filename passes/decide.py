@@ -56,10 +56,13 @@ def _short(path: str, block: str) -> str:
 
 
 def _block_size(site: _sites.AttentionSite, config: ToMeConfig,
-                latent: tuple[int, int] | None) -> tuple[int, int, int, int] | Skip:
+                latent: tuple[int, int] | None, rows: int | None = None) -> tuple[int, int, int, int] | Skip:
     """``(N, h, w, downsample)`` of a self-attention's block, or why it is not merged."""
     if site.kind != "self-attention" or site.problem is not None:
         return Skip(site.problem or "not a self-attention (q, k, v are not projections of one tensor)")
+    temporal = _sites.temporal_reason(site, rows)
+    if temporal is not None:  # before the grid check: 16 frames of a 64x64 latent look like a 4x4 grid
+        return Skip(temporal)
     if latent is None:
         return Skip("latent size unknown (no conv_in input shape); pass latent_hw=")
     n = int(site.tokens or 0)
@@ -118,11 +121,14 @@ def _targets(site: _sites.AttentionSite, found: list[_sites.AttentionSite], grap
 
 
 def decide_site(site: _sites.AttentionSite, found: list[_sites.AttentionSite], graph: fx.Graph,
-                config: ToMeConfig, latent: tuple[int, int] | None) -> BlockPlan | Skip:
-    """The plan for ``site``'s block, or why it is skipped (tomesd's rule, from shapes)."""
+                config: ToMeConfig, latent: tuple[int, int] | None, rows: int | None = None) -> BlockPlan | Skip:
+    """The plan for ``site``'s block, or why it is skipped (tomesd's rule, from shapes). ``rows``:
+    the latent's batch at ``conv_in`` (B x F for a video U-Net), to tell temporal attention apart."""
     if site.kind == "cross-attention":
-        return Skip("cross-attention" + (f" ({site.problem})" if site.problem else ""))
-    size = _block_size(site, config, latent)
+        temporal = _sites.temporal_reason(site, rows)
+        return Skip("cross-attention" + (f" ({site.problem})" if site.problem else "")
+                    + (f"; {temporal}" if temporal else ""))
+    size = _block_size(site, config, latent, rows)
     if isinstance(size, Skip):
         return size
     n, h, w, downsample = size

@@ -473,7 +473,8 @@ def merge_self_attention(
         raise ToMeRewriteError(f"plan_state={plan_state!r} is not one of {PLAN_STATES}")
     found = _sites.find_attention_sites(gm)
     latent = latent_hw or _sites.latent_size(gm)
-    decisions = [decide_site(site, found, gm.graph, config, latent) for site in found]
+    rows = _sites.latent_batch(gm)
+    decisions = [decide_site(site, found, gm.graph, config, latent, rows) for site in found]
     plans = [d for d in decisions if isinstance(d, BlockPlan)] if config.enabled else []
     first = next((s[0] for p in plans if isinstance(s := _sites.node_shape(p.site.input), tuple)), None)
     batch = first if isinstance(first, int) else None

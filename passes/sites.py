@@ -26,8 +26,8 @@ import torch
 from torch import fx
 
 __all__ = [
-    "AttentionSite", "UNetIO", "block_grid", "find_attention_sites", "find_unet_io", "latent_size",
-    "module_path", "node_shape", "norm_input", "region_exits", "region_nodes",
+    "AttentionSite", "UNetIO", "block_grid", "find_attention_sites", "find_unet_io", "latent_batch",
+    "latent_size", "module_path", "node_shape", "norm_input", "region_exits", "region_nodes", "temporal_reason",
 ]
 
 # Recognised op variants, one table: Dynamo (torch level) -> torch.export (aten level).
@@ -238,6 +238,34 @@ def latent_size(gm: fx.GraphModule) -> tuple[int, int] | None:
     return None
 
 
+def latent_batch(gm: fx.GraphModule) -> int | None:
+    """Rows of the latent at ``conv_in``: the batch of an image U-Net, batch x frames of a video
+    U-Net (AnimateDiff, SVD fold the frames into the batch); None when symbolic or unknown."""
+    conv = _first_conv(gm)
+    shape = node_shape(conv.args[0]) if conv is not None else None
+    return int(shape[0]) if shape is not None and len(shape) == 4 and isinstance(shape[0], int) else None
+
+
+# Video U-Nets' temporal attention, by diffusers' module names: AnimateDiff's motion modules
+# (``…motion_modules.0.transformer_blocks.0.attn1``), SVD's ``temporal_transformer_blocks``,
+# ModelScope / I2VGen-XL's ``temp_attentions``. Their tokens are frames, their batch B x H x W.
+_TEMPORAL_PATH = re.compile(r"(^|\.)(motion_modules|temporal_transformer_blocks|temp_attentions)(\.|$)")
+
+
+def temporal_reason(site: AttentionSite, rows: int | None) -> str | None:
+    """Why ``site`` is a video U-Net's temporal attention (never merged), or None if it is not:
+    its module path says so, or its batch is not the latent's rows (B x F for a video U-Net)."""
+    shape = node_shape(site.input)
+    batch = shape[0] if shape is not None and len(shape) == 3 and isinstance(shape[0], int) else None
+    frames = f"its {site.tokens} tokens are frames" if site.tokens is not None else "its tokens are frames"
+    if _TEMPORAL_PATH.search(site.path):
+        return f"temporal attention ({frames}, batch {batch if batch is not None else '?'} = B x H x W)"
+    if rows is not None and batch is not None and batch != rows:
+        return (f"attention batch {batch} is not the latent's {rows} rows: not a per-image/per-frame "
+                "spatial attention (temporal?)")
+    return None
+
+
 def block_grid(latent_hw: tuple[int, int], tokens: int) -> tuple[int, int, int]:
     """tomesd's rule: ``downsample = ceil(sqrt(N_latent // N))``, grid = ceil(latent / downsample)."""
     lh, lw = latent_hw
@@ -267,19 +295,53 @@ class UNetIO:
     timestep_index: int | None
     timestep_constant: float | None
     output_index: int
+    channel_axis: int = 1  # of the noise output: 1 (B C H W, AnimateDiff's B C F H W), 2 (SVD's B F C H W)
 
     def timestep(self, args: Sequence[Any]) -> Any:
         """The timestep of one call, from its arguments."""
         return args[self.timestep_index] if self.timestep_index is not None else self.timestep_constant
 
 
+def _is_shape_op(node: fx.Node) -> bool:
+    return (node.op == "call_method" and node.target in _PASSTHROUGH_METHODS
+            or node.op == "call_function" and node.target in _PASSTHROUGH_FUNCS)
+
+
 def _sample_placeholder(gm: fx.GraphModule) -> fx.Node | None:
-    """The input of the first convolution (conv_in), traced back through shape-preserving ops."""
+    """The input of the first convolution (conv_in), traced back through shape-preserving ops and
+    the reshapes that fold a video's frames into the batch."""
     conv = _first_conv(gm)
     node = conv.args[0] if conv is not None else None
-    while isinstance(node, fx.Node) and node.op != "placeholder":
-        node = next((a for a in node.all_input_nodes if node_shape(a) == node_shape(node)), None)
-    return node
+    for _ in range(32):
+        if not isinstance(node, fx.Node) or node.op == "placeholder":
+            break
+        if _is_shape_op(node) and isinstance(node.args[0], fx.Node):
+            node = node.args[0]
+        else:
+            node = next((a for a in node.all_input_nodes if node_shape(a) == node_shape(node)), None)
+    return node if isinstance(node, fx.Node) and node.op == "placeholder" else None
+
+
+def _channel_axis(gm: fx.GraphModule, out: Any) -> int:
+    """The channel axis of a 5-D video noise output: AnimateDiff unfolds ``[B*F, C, H, W]`` to
+    ``[B, C, F, H, W]`` (a permute), SVD to ``[B, F, C, H, W]`` (a reshape only)."""
+    shape = node_shape(out)
+    if shape is None or len(shape) != 5:
+        return 1
+    convs = [n for n in gm.graph.nodes if _is_call(n, _CONV_OPS)]
+    last = node_shape(convs[-1]) if convs else None
+    if last is not None and len(last) == 4 and isinstance(shape[0], int) and shape[0] > 0:
+        channels, frames = last[1], last[0] // shape[0]
+        if channels != frames and (shape[1], shape[2]) in ((channels, frames), (frames, channels)):
+            return 1 if shape[1] == channels else 2
+    node, permuted = out, False
+    for _ in range(16):  # same channel and frame counts: did the output go through a permute?
+        if not isinstance(node, fx.Node) or not _is_shape_op(node):
+            break
+        permuted |= node.target in ("permute", "transpose", torch.permute, torch.transpose,
+                                    torch.ops.aten.permute.default, torch.ops.aten.transpose.int)
+        node = node.args[0]
+    return 1 if permuted else 2
 
 
 def _ancestors(start: fx.Node, limit: int = 64) -> list[fx.Node]:
@@ -326,11 +388,13 @@ def find_unet_io(gm: fx.GraphModule) -> UNetIO:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     flat = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
     want = node_shape(placeholders[sample_index]) if placeholders else None
-    def like_sample(o: Any) -> bool:
+    def like_sample(o: Any) -> bool:  # the channel count may differ (SVD: 8 in, 4 out)
         got = node_shape(o) or ()
-        return want is not None and len(want) == 4 and got[:1] == want[:1] and got[2:] == want[2:]
+        return (want is not None and len(want) in (4, 5) and len(got) == len(want) and got[:1] == want[:1]
+                and got[-2:] == want[-2:])
 
     output_index = next((i for i, o in enumerate(flat) if like_sample(o)), 0)
     return UNetIO(sample_index=sample_index,
                   timestep_index=placeholders.index(timestep) if timestep is not None else None,
-                  timestep_constant=constant, output_index=output_index)
+                  timestep_constant=constant, output_index=output_index,
+                  channel_axis=_channel_axis(gm, flat[output_index]) if flat else 1)

@@ -36,6 +36,47 @@ TINY_SDXL: dict[str, Any] = dict(
     projection_class_embeddings_input_dim=16 + 6 * 8,
 )
 TINY = {"sd15": TINY_SD15, "sd2": TINY_SD2, "sdxl": TINY_SDXL}
+# Video U-Nets with diffusers' module paths: AnimateDiff (motion modules after each spatial
+# attention) and SVD (spatial + temporal_transformer_blocks in each attention).
+TINY_ANIMATEDIFF: dict[str, Any] = dict(
+    sample_size=16, in_channels=4, out_channels=4, block_out_channels=(32, 64),
+    down_block_types=("CrossAttnDownBlockMotion", "DownBlockMotion"),
+    up_block_types=("UpBlockMotion", "CrossAttnUpBlockMotion"),
+    layers_per_block=1, cross_attention_dim=32, num_attention_heads=4, norm_num_groups=8,
+    motion_max_seq_length=8, motion_num_attention_heads=2,
+)
+TINY_SVD: dict[str, Any] = dict(
+    sample_size=16, in_channels=8, out_channels=4, block_out_channels=(32, 64),
+    down_block_types=("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
+    up_block_types=("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
+    layers_per_block=1, cross_attention_dim=32, num_attention_heads=(2, 4), addition_time_embed_dim=8,
+    projection_class_embeddings_input_dim=24,
+)
+
+
+def tiny_video_unet(kind: str, seed: int = 0) -> torch.nn.Module:
+    from diffusers import UNetMotionModel, UNetSpatioTemporalConditionModel
+
+    cls, config = {"animatediff": (UNetMotionModel, TINY_ANIMATEDIFF), "svd": (UNetSpatioTemporalConditionModel,
+                                                                               TINY_SVD)}[kind]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return cls(**config).eval()
+
+
+def tiny_video_inputs(kind: str, batch: int = 2, frames: int = 3, hw: tuple[int, int] = (16, 16),
+                      seed: int = 0) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``(sample, kwargs)`` as the video pipelines call the U-Net: AnimateDiff ``[B, C, F, H, W]``
+    with the prompt embeddings repeated per frame; SVD ``[B, F, 8, H, W]`` with one image
+    embedding per video and ``added_time_ids``."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "animatediff":
+        sample = torch.randn(batch, 4, frames, *hw, generator=g)
+        ehs = torch.randn(batch, 7, 32, generator=g).repeat_interleave(frames, dim=0)
+        return sample, {"timestep": torch.tensor(999), "encoder_hidden_states": ehs}
+    sample = torch.randn(batch, frames, 8, *hw, generator=g)
+    return sample, {"timestep": torch.tensor(999), "encoder_hidden_states": torch.randn(batch, 1, 32, generator=g),
+                    "added_time_ids": torch.tensor([[6.0, 127.0, 0.02]] * batch)}
 
 
 def tiny_unet(kind: str = "sd15", seed: int = 0) -> torch.nn.Module:

@@ -15,10 +15,15 @@ import torch
 __all__ = ["ImportanceState", "StepState", "importance_map"]
 
 
-def importance_map(eps: torch.Tensor) -> torch.Tensor:
-    """``[2P, C, H, W] -> [P, H, W]``: mean over channels of ``|eps_cond - eps_uncond|``."""
+def importance_map(eps: torch.Tensor, channel_axis: int = 1) -> torch.Tensor:
+    """``[2P, C, H, W] -> [P, H, W]``: mean over channels of ``|eps_cond - eps_uncond|``.
+
+    A video output (``[2P, C, F, H, W]``, AnimateDiff; ``[2P, F, C, H, W]`` with
+    ``channel_axis=2``, SVD) gives ``[P*F, H, W]``: one map per frame, in the order the U-Net
+    folds frames into its batch (``b * F + f``), which is the order of its attention rows."""
     p = eps.shape[0] // 2
-    return (eps[p:] - eps[:p]).abs().float().mean(dim=1)
+    diff = (eps[p:] - eps[:p]).abs().float().mean(dim=channel_axis)
+    return diff.reshape(-1, *diff.shape[-2:])
 
 
 class StepState:
@@ -80,11 +85,12 @@ class StepState:
         self.plans, self.plan_kind, self.plan_age = plans, kind, 1
         self.plans_made += 1
 
-    def update(self, eps: torch.Tensor) -> None:
-        """Fill the map from this call's output (a CFG batch); anything else clears it."""
+    def update(self, eps: torch.Tensor, channel_axis: int = 1) -> None:
+        """Fill the map from this call's output (a CFG batch; 5-D: a video's, see
+        :func:`importance_map`); anything else clears it."""
         self.calls += 1
-        if eps.dim() == 4 and eps.shape[0] % 2 == 0 and eps.shape[0] > 0:
-            self.map = importance_map(eps.detach())
+        if eps.dim() in (4, 5) and eps.shape[0] % 2 == 0 and eps.shape[0] > 0:
+            self.map = importance_map(eps.detach(), channel_axis)
         else:
             self.map = None
 
