@@ -34,13 +34,13 @@ from typing import Any
 import numpy as np
 import torch
 from tome_compile.export.inventory import InventoryReport, check_op_inventory
-from tome_compile.passes import PLAN_SLOTS, PLAN_WEIGHTS, ToMeResult, merge_self_attention
+from tome_compile.passes import PLAN_SLOTS, PLAN_WEIGHTS, ToMeResult, find_unet_io, merge_self_attention
 from torch import fx
 
 from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeExportError
 from tome_compile.inputs import draw_tome_inputs
-from tome_compile.models import example_inputs, unet_input_names
+from tome_compile.models import example_inputs, unet_input_names, video_layout
 from tome_compile.sampler import PartitionSampler
 
 __all__ = ["METADATA_KEY", "ExportResult", "check_opset", "check_output_path", "export_onnx", "optimize_for_ort",
@@ -197,6 +197,8 @@ def _trace(unet: torch.nn.Module, args: tuple[torch.Tensor, ...], sdxl: bool, in
     kwargs: dict[str, Any] = {"return_dict": False}
     if sdxl:
         kwargs["added_cond_kwargs"] = {"text_embeds": inputs.text_embeds, "time_ids": inputs.time_ids}
+    if inputs.added_time_ids is not None:  # SVD
+        kwargs["added_time_ids"] = inputs.added_time_ids
     shapes = None
     if dynamic:
         batch = torch.export.Dim.DYNAMIC
@@ -244,11 +246,11 @@ def _postprocess(program: Any, result: ToMeResult, fp16: bool, attentions: int, 
 
     model = program.model
     wrapped = keep_scatter_fp32(model) if fp16 else 0
-    # seed 0; "no map yet": has_map False and one pair's worth of zeros (the fallback branch runs);
-    # "no plans yet": reuse False and empty plans (the planning branch runs; a static batch keeps
-    # the declared size)
+    # seed 0; "no map yet": has_map False and zeros (the fallback branch runs; a static batch keeps
+    # the declared size: ORT refuses a default of another shape, so an importance export of batch 4
+    # or of a video's B x F pairs needs all its rows); "no plans yet": reuse False and empty plans
     empty = (lambda s: (0,)) if dynamic else tuple
-    shapes = {"importance": lambda s: (1, *s[1:]), "plan_slot": empty, "plan_weight": empty}
+    shapes = {"importance": (lambda s: (1, *s[1:])) if dynamic else tuple, "plan_slot": empty, "plan_weight": empty}
     defaults = {spec.name: np.zeros(shapes.get(spec.draw, tuple)(spec.shape), dtype=spec.zeros().numpy().dtype)
                 for spec in result.inputs if spec.draw in ("seed", "has_map", "reuse", *shapes)}
     optional = set_input_defaults(model, defaults)
@@ -282,6 +284,7 @@ def export_onnx(
     partition_input: bool = False,
     dynamic_batch: bool = True,
     optimize: str | None = None,
+    frames: int | None = None,
 ) -> ExportResult:
     """Export ``unet`` with ToMe applied to ``out`` (+ ``out.data``), checked; see the module doc.
 
@@ -293,6 +296,8 @@ def export_onnx(
         partition_input: take the destinations as a ``tome_partition`` input drawn by the caller
             (bit-exact with ``tome_backend(seed=)``) instead of hashing them in the graph from the
             optional ``tome_seed`` input and the timestep.
+        frames: video U-Nets (AnimateDiff, SVD): frames per video (default 16 / 25). Their exports
+            keep ``batch`` and ``frames`` fixed (the prompt embeddings' batch is batch x frames).
         optimize: "cpu" or "cuda": run ONNX Runtime's transformer optimizer (``model_type="unet"``,
             the fusions of ORT's Stable Diffusion pipeline for that provider) and check parity again
             (on CUDA only where a CUDA EP is present: its fused ops have no CPU kernel).
@@ -313,12 +318,15 @@ def export_onnx(
     unet = unet.eval()
     sdxl = getattr(unet.config, "addition_embed_type", None) == "text_time"
     names = unet_input_names(unet)
-    dynamic = dynamic_batch and (config.method != "importance" or not config.enabled)
+    layout = video_layout(unet)
+    if frames is not None and layout is None:
+        raise ToMeExportError(f"frames={frames} is for video U-Nets; {type(unet).__name__} takes images")
+    dynamic = dynamic_batch and (config.method != "importance" or not config.enabled) and layout is None
     # torch.export specialises a dynamic axis traced at size 1: trace a dynamic batch at >= 2
     # (the parity check still runs batch 1)
     traced = max(batch, 2) if dynamic else batch
     inputs = example_inputs(unet, batch=traced, height=height, width=width, seq_len=seq_len, seed=seed,
-                            dtype=dtype)
+                            dtype=dtype, frames=frames)
     # Optimum's and diffusers' ONNX pipelines send the timestep as float32 of shape [1].
     inputs.timestep = torch.tensor([float(inputs.timestep)], dtype=torch.float32)
     args = inputs.args()
@@ -327,6 +335,7 @@ def export_onnx(
     start = time.perf_counter()
     gm = _trace(unet, args, sdxl, inputs, dynamic)
     times["trace"] = time.perf_counter() - start
+    channel_axis = find_unet_io(gm).channel_axis  # of the noise output: the importance map reads it
 
     step("rewriting attention sites (ToMe pass)")
     # One graph for both kinds of importance step: a tome_has_map input picks the plan (ONNX If).
@@ -353,6 +362,9 @@ def export_onnx(
         "seq_len": seq_len,
         "timestep": "float32[1]",
         "latent_hw": list(result.latent_hw or ()),
+        "video_layout": layout,
+        "frames": int(inputs.sample.shape[2 if layout == "BCFHW" else 1]) if layout else None,
+        "channel_axis": channel_axis,
         "method": result.method,
         "attention": "plain" if portable else "com.microsoft.MultiHeadAttention",
         "destinations": "tome_partition input" if partition_input else "hashed from tome_seed and timestep",

@@ -175,7 +175,7 @@ class ToMeSession:
 
     def __call__(self, sample: torch.Tensor, timestep: Any, encoder_hidden_states: torch.Tensor | None = None,
                  added_cond_kwargs: dict[str, torch.Tensor] | None = None, return_dict: bool = True,
-                 **_: Any) -> Any:
+                 added_time_ids: torch.Tensor | None = None, **_: Any) -> Any:
         feed = {"sample": self._feed("sample", sample),
                 "timestep": self._feed("timestep", timestep),
                 "encoder_hidden_states": self._feed("encoder_hidden_states", encoder_hidden_states)}
@@ -184,11 +184,16 @@ class ToMeSession:
                 if not added_cond_kwargs or name not in added_cond_kwargs:
                     raise ToMeExportError(f"this SDXL export needs added_cond_kwargs[{name!r}]")
                 feed[name] = self._feed(name, added_cond_kwargs[name])
+        if "added_time_ids" in self.inputs:  # SVD
+            if added_time_ids is None:
+                raise ToMeExportError("this SVD export needs added_time_ids (fps, motion bucket, noise "
+                                      "augmentation per video)")
+            feed["added_time_ids"] = self._feed("added_time_ids", added_time_ids)
         tome, kind = self._tome_feed(tuple(feed["sample"].shape), timestep)
         feed.update(tome)
         result, extras = self._run(feed, sample.device if isinstance(sample, torch.Tensor) else torch.device("cpu"))
         if self._keeps_plans and kind != "reuse":
             self.importance.keep_plans(kind, (extras[0], extras[1]))
         if self._uses_map:
-            self.importance.update(result)
+            self.importance.update(result, int(self.meta.get("channel_axis", 1)))
         return _Output(sample=result) if return_dict else (result,)

@@ -136,3 +136,62 @@ def test_noise_output_channel_axis(kind, axis, frames):
     run(torch.compile(unet, backend=capture, fullgraph=True), sample, kwargs)
     io = find_unet_io(capture.graphs[0][0])
     assert (io.channel_axis, io.sample_index, io.timestep_index is not None) == (axis, 0, True)
+
+
+def test_animatediff_pipeline_end_to_end_without_recompiles():
+    from diffusers import AnimateDiffPipeline, AutoencoderKL, DDIMScheduler
+    from torch._dynamo.utils import counters
+
+    unet = tiny_video_unet("animatediff")
+    vae = AutoencoderKL(block_out_channels=(8,), down_block_types=("DownEncoderBlock2D",),
+                        up_block_types=("UpDecoderBlock2D",), latent_channels=4, norm_num_groups=8,
+                        sample_size=16)  # one block: latent = image size
+    pipe = AnimateDiffPipeline(vae=vae, text_encoder=None, tokenizer=None, unet=unet, motion_adapter=None,
+                               scheduler=DDIMScheduler())
+    backend = tome_backend(0.5, compiler="eager", method="importance", seed=0)
+    pipe.unet = torch.compile(pipe.unet, backend=backend, fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    counters.clear()
+    frames = pipe(prompt_embeds=torch.randn(1, 7, 32, generator=g), negative_prompt_embeds=torch.zeros(1, 7, 32),
+                  num_frames=3, num_inference_steps=4, guidance_scale=7.5, height=16, width=16,
+                  output_type="latent", generator=g).frames
+    assert frames.shape == (1, 4, 3, 16, 16) and torch.isfinite(frames).all()
+    assert counters["stats"]["unique_graphs"] == 1 and sum(counters["graph_break"].values()) == 0
+    assert [r.method for r in backend.reports] == ["tome", "importance"] and backend.importance.calls == 4
+    assert backend.importance.map.shape == (3, 16, 16)  # the CFG pair's map, per frame
+    assert [s.path for s in backend.reports[0].rewritten] == SPATIAL
+
+
+@pytest.mark.parametrize("kind, method", [("animatediff", "importance"), ("svd", "tome")])
+def test_onnx_runtime_equals_the_compiled_backend_call_by_call(tmp_path, kind, method):
+    import onnx
+
+    from tome_compile import ToMeConfig
+    from tome_compile.export import ToMeSession, export_onnx
+
+    unet = tiny_video_unet(kind)
+    config = ToMeConfig(ratio=0.5, method=method, seed=0)
+    # partition_input: the destinations drawn as tome_backend(seed=) draws them (bit-exact)
+    result = export_onnx(copy.deepcopy(unet), tmp_path / "video.onnx", config, height=128, width=128, seq_len=7,
+                         frames=3, atol=1e-4, partition_input=True)
+    assert [s.path for s in result.report.rewritten] == SPATIAL
+    assert result.fused_attention == sum(1 for s in result.report.sites)  # temporal attention fused too
+    meta = ToMeSession(result.path).meta
+    assert (meta["frames"], meta["channel_axis"], meta["batch"]) == (3, 1 if kind == "animatediff" else 2, 2)
+    if method == "importance":  # one map per frame of the CFG pair; its default has every row
+        model = onnx.load(str(result.path), load_external_data=False)
+        default = next(i for i in model.graph.initializer if i.name == "tome_importance")
+        assert list(default.dims) == [3, 16, 16]
+    session = ToMeSession(result.path, seed=5)
+    model, backend = compiled(unet, ratio=config.replace(seed=5))
+    sample, kwargs = tiny_video_inputs(kind, frames=3)
+    for t in (999, 900, 800):  # importance: step 1 the ToMe fallback, then the previous step's maps
+        kwargs["timestep"] = torch.tensor(t)
+        got, expected = session(sample, **kwargs).sample, run(model, sample, kwargs)
+        assert got.shape == expected.shape and (got - expected).abs().max() < 1e-4
+    if method == "importance":
+        assert torch.allclose(session.importance.map, backend.importance.map, atol=1e-5)
+        assert session.importance.map.shape == (3, 16, 16)
+    with pytest.raises(Exception, match="frames=3 is for video U-Nets"):
+        from conftest import tiny_unet
+        export_onnx(tiny_unet("sd15"), tmp_path / "image.onnx", config, frames=3)

@@ -20,7 +20,7 @@ import torch
 from tome_compile.errors import ToMeModelError
 
 __all__ = ["ARCHITECTURES", "UNetInputs", "architecture_config", "build_unet", "example_inputs",
-           "load_unet", "unet_input_names"]
+           "load_unet", "unet_input_names", "video_layout"]
 
 logger = logging.getLogger("tome_compile")
 
@@ -110,42 +110,61 @@ class UNetInputs:
     encoder_hidden_states: torch.Tensor
     text_embeds: torch.Tensor | None = None
     time_ids: torch.Tensor | None = None
+    added_time_ids: torch.Tensor | None = None  # SVD: (fps, motion bucket, noise augmentation) per video
 
     def args(self) -> tuple[torch.Tensor, ...]:
         extra = () if self.text_embeds is None else (self.text_embeds, self.time_ids)
+        extra += () if self.added_time_ids is None else (self.added_time_ids,)
         return (self.sample, self.timestep, self.encoder_hidden_states) + extra
 
     def kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``UNet2DConditionModel.forward``."""
+        """Keyword arguments for the U-Net's ``forward``."""
         out: dict[str, Any] = {"sample": self.sample, "timestep": self.timestep,
                                "encoder_hidden_states": self.encoder_hidden_states}
         if self.text_embeds is not None:
             out["added_cond_kwargs"] = {"text_embeds": self.text_embeds, "time_ids": self.time_ids}
+        if self.added_time_ids is not None:
+            out["added_time_ids"] = self.added_time_ids
         return out
+
+
+def video_layout(unet: torch.nn.Module) -> str | None:
+    """How a video U-Net takes its sample: ``"BCFHW"`` (AnimateDiff's ``UNetMotionModel``),
+    ``"BFCHW"`` (SVD's ``UNetSpatioTemporalConditionModel``); None for an image model."""
+    return {"UNetMotionModel": "BCFHW", "UNetSpatioTemporalConditionModel": "BFCHW"}.get(type(unet).__name__)
 
 
 def unet_input_names(unet: torch.nn.Module) -> list[str]:
     names = ["sample", "timestep", "encoder_hidden_states"]
     if getattr(unet.config, "addition_embed_type", None) == "text_time":
         names += ["text_embeds", "time_ids"]
+    if video_layout(unet) == "BFCHW":
+        names += ["added_time_ids"]
     return names
 
 
 def _spatial_scale(unet: torch.nn.Module) -> int:
-    # Latent models (4 channels) work at 1/8 of the image; pixel-space models at 1/1.
-    return 8 if unet.config.in_channels == 4 else 1
+    # Latent models (4 latent channels in or out: inpainting and SVD take 9 / 8, PixArt returns 8)
+    # work at 1/8 of the image; pixel-space models at 1/1.
+    cfg = unet.config
+    return 8 if 4 in (cfg.in_channels, getattr(cfg, "out_channels", None)) else 1
 
 
 def example_inputs(unet: torch.nn.Module, *, batch: int = 2, height: int = 512, width: int = 512,
                    seq_len: int = 77, seed: int = 0, device: str | torch.device = "cpu",
-                   dtype: torch.dtype | None = None) -> UNetInputs:
-    """Random inputs of the right shapes for ``unet`` at an image size of ``height × width``."""
+                   dtype: torch.dtype | None = None, frames: int | None = None) -> UNetInputs:
+    """Random inputs of the right shapes for ``unet`` at an image size of ``height × width``
+    (video U-Nets: ``frames`` per video, as their pipelines call them)."""
     cfg = unet.config
     dtype = dtype or next(unet.parameters()).dtype
     scale = _spatial_scale(unet)
     if height % scale or width % scale:
         raise ToMeModelError(f"height={height}, width={width} must be multiples of {scale}")
     g = torch.Generator().manual_seed(seed)
+    layout = video_layout(unet)
+    if layout is not None:
+        return _video_inputs(unet, layout, batch, frames or DEFAULT_FRAMES[layout], height // scale,
+                             width // scale, seq_len, g, device, dtype)
     sample = torch.randn(batch, cfg.in_channels, height // scale, width // scale, generator=g)
     ehs = torch.randn(batch, seq_len, cfg.cross_attention_dim, generator=g)
     inputs = UNetInputs(sample.to(device, dtype), torch.tensor(999, device=device),
@@ -156,3 +175,26 @@ def example_inputs(unet: torch.nn.Module, *, batch: int = 2, height: int = 512, 
         inputs.time_ids = torch.tensor([[height, width, 0, 0, height, width]] * batch,
                                        dtype=dtype, device=device)
     return inputs
+
+
+# AnimateDiff's pipelines default to 16 frames; SVD-XT to 25 (SVD: 14)
+DEFAULT_FRAMES = {"BCFHW": 16, "BFCHW": 25}
+
+
+def _video_inputs(unet: torch.nn.Module, layout: str, batch: int, frames: int, h: int, w: int, seq_len: int,
+                  g: torch.Generator, device: str | torch.device, dtype: torch.dtype) -> UNetInputs:
+    """AnimateDiff: ``[B, C, F, H, W]`` and the prompt embeddings repeated per frame (as
+    ``AnimateDiffPipeline`` sends them); SVD: ``[B, F, C, H, W]``, one image embedding per video and
+    ``added_time_ids``."""
+    cfg = unet.config
+    if frames < 1:
+        raise ToMeModelError(f"frames={frames} must be >= 1")
+    if layout == "BCFHW":
+        sample = torch.randn(batch, cfg.in_channels, frames, h, w, generator=g)
+        ehs = torch.randn(batch, seq_len, cfg.cross_attention_dim, generator=g).repeat_interleave(frames, dim=0)
+        return UNetInputs(sample.to(device, dtype), torch.tensor(999, device=device), ehs.to(device, dtype))
+    sample = torch.randn(batch, frames, cfg.in_channels, h, w, generator=g)
+    ehs = torch.randn(batch, 1, cfg.cross_attention_dim, generator=g)
+    ids = torch.tensor([[6.0, 127.0, 0.02]] * batch)  # SVD's defaults: fps 7 - 1, motion bucket 127
+    return UNetInputs(sample.to(device, dtype), torch.tensor(999, device=device), ehs.to(device, dtype),
+                      added_time_ids=ids.to(device, dtype))
