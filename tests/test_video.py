@@ -165,9 +165,9 @@ def test_animatediff_pipeline_end_to_end_without_recompiles():
 @pytest.mark.parametrize("kind, method", [("animatediff", "importance"), ("svd", "tome")])
 def test_onnx_runtime_equals_the_compiled_backend_call_by_call(tmp_path, kind, method):
     import onnx
+    from tome_compile.export import ToMeSession, export_onnx
 
     from tome_compile import ToMeConfig
-    from tome_compile.export import ToMeSession, export_onnx
 
     unet = tiny_video_unet(kind)
     config = ToMeConfig(ratio=0.5, method=method, seed=0)
