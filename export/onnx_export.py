@@ -335,7 +335,7 @@ def export_onnx(
     start = time.perf_counter()
     gm = _trace(unet, args, sdxl, inputs, dynamic)
     times["trace"] = time.perf_counter() - start
-    channel_axis = find_unet_io(gm).channel_axis  # of the noise output: the importance map reads it
+    unet_io = find_unet_io(gm)  # the noise output's channel axis and noise channels: the importance map reads them
 
     step("rewriting attention sites (ToMe pass)")
     # One graph for both kinds of importance step: a tome_has_map input picks the plan (ONNX If).
@@ -364,7 +364,8 @@ def export_onnx(
         "latent_hw": list(result.latent_hw or ()),
         "video_layout": layout,
         "frames": int(inputs.sample.shape[2 if layout == "BCFHW" else 1]) if layout else None,
-        "channel_axis": channel_axis,
+        "channel_axis": unet_io.channel_axis,
+        "noise_channels": unet_io.noise_channels,
         "method": result.method,
         "attention": "plain" if portable else "com.microsoft.MultiHeadAttention",
         "destinations": "tome_partition input" if partition_input else "hashed from tome_seed and timestep",

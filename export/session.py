@@ -195,5 +195,5 @@ class ToMeSession:
         if self._keeps_plans and kind != "reuse":
             self.importance.keep_plans(kind, (extras[0], extras[1]))
         if self._uses_map:
-            self.importance.update(result, int(self.meta.get("channel_axis", 1)))
+            self.importance.update(result, int(self.meta.get("channel_axis", 1)), self.meta.get("noise_channels"))
         return _Output(sample=result) if return_dict else (result,)

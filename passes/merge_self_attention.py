@@ -290,6 +290,35 @@ def _hashed_inputs(gm: fx.GraphModule, add: Callable[[ToMeInputSpec], None], nod
             nodes[name].meta["tome"] = {"role": "plan", "site": "hashed"}
 
 
+def _select_blocks(decisions: list[BlockPlan | Skip], found: list[_sites.AttentionSite], config: ToMeConfig,
+                   rows: int | None) -> list[BlockPlan | Skip]:
+    """``config.blocks``: keep the plans of the listed blocks (index k = the k-th spatial
+    self-attention block in execution order; PixArt's ``transformer_blocks.k``)."""
+    if config.blocks is None:
+        return decisions
+    out: list[BlockPlan | Skip] = []
+    k = 0
+    for site, decision in zip(found, decisions):
+        spatial = site.kind == "self-attention" and _sites.temporal_reason(site, rows) is None
+        if spatial and isinstance(decision, BlockPlan) and k not in config.blocks:
+            shown = _ranges(config.blocks)
+            decision = Skip(f"block {k} is not in blocks={shown}", decision.grid, decision.downsample)
+        out.append(decision)
+        k += spatial
+    return out
+
+
+def _ranges(values: tuple[int, ...]) -> str:
+    """(7, 8, ..., 20) -> "7-20"; (1, 3, 4) -> "1,3-4"."""
+    parts: list[str] = []
+    for v in sorted(set(values)):
+        if parts and parts[-1][1] == v - 1:
+            parts[-1] = (parts[-1][0], v)
+        else:
+            parts.append((v, v))
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in parts)
+
+
 def _plan_makers(plans: list[BlockPlan], config: ToMeConfig) -> list[int]:
     """For each block, the index of the block whose plan it uses: itself, or with ``share_plan``
     the first block with the same token grid and merge count (one plan per resolution level)."""
@@ -473,8 +502,10 @@ def merge_self_attention(
         raise ToMeRewriteError(f"plan_state={plan_state!r} is not one of {PLAN_STATES}")
     found = _sites.find_attention_sites(gm)
     latent = latent_hw or _sites.latent_size(gm)
+    grid = _sites.token_grid(gm) or latent  # a DiT's patch grid; a U-Net's latent
     rows = _sites.latent_batch(gm)
-    decisions = [decide_site(site, found, gm.graph, config, latent, rows) for site in found]
+    decisions = _select_blocks([decide_site(site, found, gm.graph, config, grid, rows) for site in found],
+                               found, config, rows)
     plans = [d for d in decisions if isinstance(d, BlockPlan)] if config.enabled else []
     first = next((s[0] for p in plans if isinstance(s := _sites.node_shape(p.site.input), tuple)), None)
     batch = first if isinstance(first, int) else None

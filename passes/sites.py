@@ -27,7 +27,7 @@ from torch import fx
 
 __all__ = [
     "AttentionSite", "UNetIO", "block_grid", "find_attention_sites", "find_unet_io", "latent_batch",
-    "latent_size", "module_path", "node_shape", "norm_input", "region_exits", "region_nodes", "temporal_reason",
+    "latent_size", "token_grid", "module_path", "node_shape", "norm_input", "region_exits", "region_nodes", "temporal_reason",
 ]
 
 # Recognised op variants, one table: Dynamo (torch level) -> torch.export (aten level).
@@ -238,6 +238,16 @@ def latent_size(gm: fx.GraphModule) -> tuple[int, int] | None:
     return None
 
 
+def token_grid(gm: fx.GraphModule) -> tuple[int, int] | None:
+    """The full-resolution token grid: the output size of the first convolution — the latent for a
+    U-Net (``conv_in``, stride 1), the patch grid for a DiT (PixArt's patchify conv, stride = patch)."""
+    conv = _first_conv(gm)
+    shape = node_shape(conv) if conv is not None else None
+    if shape is not None and len(shape) == 4 and _static(shape[2:]):
+        return int(shape[2]), int(shape[3])
+    return None
+
+
 def latent_batch(gm: fx.GraphModule) -> int | None:
     """Rows of the latent at ``conv_in``: the batch of an image U-Net, batch x frames of a video
     U-Net (AnimateDiff, SVD fold the frames into the batch); None when symbolic or unknown."""
@@ -274,11 +284,26 @@ def block_grid(latent_hw: tuple[int, int], tokens: int) -> tuple[int, int, int]:
     return downsample, int(math.ceil(lh / downsample)), int(math.ceil(lw / downsample))
 
 
+# adaLN (DiT, PixArt's ada_norm_single): ``norm1(x) * (1 + scale) + shift`` feeds the attention
+_MODULATION_OPS: set[Any] = {operator.add, operator.mul, torch.add, torch.mul, torch.ops.aten.add.Tensor,
+                             torch.ops.aten.mul.Tensor}
+
+
 def norm_input(node: fx.Node) -> fx.Node | None:
-    """The tensor a layer norm normalises (the block input ``x`` of ``norm1(x)``), or None."""
-    if _is_call(node, _LAYER_NORM_OPS) and isinstance(node.args[0], fx.Node):
-        return node.args[0]
-    return None
+    """The tensor a layer norm normalises (the block input ``x`` of ``norm1(x)``), or None. Sees
+    through an adaLN modulation ``norm1(x) * (1 + scale) + shift`` (PixArt, DiT): the metric is
+    still the block input."""
+    want = node_shape(node)
+    for _ in range(3):
+        if _is_call(node, _LAYER_NORM_OPS) and isinstance(node.args[0], fx.Node):
+            return node.args[0]
+        if not _is_call(node, _MODULATION_OPS):
+            return None
+        # follow the operand of the token stream's shape (scale and shift are [B, 1, C])
+        node = next((a for a in node.args if isinstance(a, fx.Node) and node_shape(a) == want), None)
+        if node is None:
+            return None
+    return node.args[0] if _is_call(node, _LAYER_NORM_OPS) and isinstance(node.args[0], fx.Node) else None
 
 
 @dataclass(frozen=True)
@@ -296,6 +321,8 @@ class UNetIO:
     timestep_constant: float | None
     output_index: int
     channel_axis: int = 1  # of the noise output: 1 (B C H W, AnimateDiff's B C F H W), 2 (SVD's B F C H W)
+    # the noise channels of the output when it holds more (PixArt's learned sigma: eps then variance)
+    noise_channels: int | None = None
 
     def timestep(self, args: Sequence[Any]) -> Any:
         """The timestep of one call, from its arguments."""
@@ -397,4 +424,13 @@ def find_unet_io(gm: fx.GraphModule) -> UNetIO:
     return UNetIO(sample_index=sample_index,
                   timestep_index=placeholders.index(timestep) if timestep is not None else None,
                   timestep_constant=constant, output_index=output_index,
-                  channel_axis=_channel_axis(gm, flat[output_index]) if flat else 1)
+                  channel_axis=_channel_axis(gm, flat[output_index]) if flat else 1,
+                  noise_channels=_noise_channels(want, node_shape(flat[output_index]) if flat else None))
+
+
+def _noise_channels(sample: tuple[Any, ...] | None, out: tuple[Any, ...] | None) -> int | None:
+    """A 4-D output with twice the sample's channels is ``[eps; variance]`` (learned sigma, PixArt):
+    the first half is the noise the guidance map is made of."""
+    if sample is None or out is None or len(sample) != 4 or len(out) != 4:
+        return None
+    return int(sample[1]) if isinstance(sample[1], int) and out[1] == 2 * sample[1] else None

@@ -54,6 +54,31 @@ TINY_SVD: dict[str, Any] = dict(
 )
 
 
+# PixArt-α's DiT (adaLN-single blocks, patch 2): a 16 x 16 latent is an 8 x 8 token grid.
+TINY_PIXART: dict[str, Any] = dict(
+    num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=4, cross_attention_dim=16,
+    sample_size=16, patch_size=2, norm_type="ada_norm_single", caption_channels=32, attention_bias=True,
+    activation_fn="gelu-approximate", num_embeds_ada_norm=1000, norm_elementwise_affine=False, norm_eps=1e-6,
+    use_additional_conditions=False,
+)
+
+
+def tiny_pixart(seed: int = 0) -> torch.nn.Module:
+    from diffusers import PixArtTransformer2DModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return PixArtTransformer2DModel(**TINY_PIXART).eval()
+
+
+def tiny_pixart_inputs(batch: int = 2, seed: int = 0) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``(latent, kwargs)`` as ``PixArtAlphaPipeline`` calls the transformer (a timestep per image)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 4, 16, 16, generator=g), {
+        "encoder_hidden_states": torch.randn(batch, 7, 32, generator=g), "timestep": torch.tensor([999] * batch),
+        "added_cond_kwargs": {"resolution": None, "aspect_ratio": None}}
+
+
 def tiny_video_unet(kind: str, seed: int = 0) -> torch.nn.Module:
     from diffusers import UNetMotionModel, UNetSpatioTemporalConditionModel
 

@@ -279,7 +279,7 @@ class _Runner:
             out = out[:n]
         if importance:
             outputs = out if isinstance(out, (list, tuple)) else [out]
-            state.update(outputs[self.io.output_index], self.io.channel_axis)
+            state.update(outputs[self.io.output_index], self.io.channel_axis, self.io.noise_channels)
         return out
 
 

@@ -46,6 +46,11 @@ class ToMeConfig:
             a graph output fed back as an input). ``1`` (default, tomesd) plans every call. A new
             generation (the timestep goes back up, another latent shape, ``reset()``) and
             importance's first step with a map always plan afresh.
+        blocks: only these transformer blocks, by index in execution order among the model's
+            (spatial) self-attention blocks, e.g. ``range(7, 21)`` — what a DiT needs, whose
+            blocks all share one token grid so ``max_downsample`` selects all of them (PixArt-α:
+            block k is ``transformer_blocks.k``; the released importance code merges 7-20 there).
+            ``None`` (default): every block ``max_downsample`` allows.
     """
 
     ratio: float = 0.5
@@ -62,8 +67,11 @@ class ToMeConfig:
     dst_fraction: float = 0.25
     share_plan: bool = False
     plan_every: int = 1
+    blocks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.blocks, (range, list)):  # blocks=range(7, 21): kept as a tuple (hashable, JSON)
+            object.__setattr__(self, "blocks", tuple(self.blocks))
         for reason in self.problems():
             raise ToMeConfigError(reason)
 
@@ -98,6 +106,9 @@ class ToMeConfig:
                 f"ratio={self.ratio} is outside [0, 1 - 1/(sx*sy)] = [0, {limit:g}] for sx={self.sx}, "
                 f"sy={self.sy}; pick a ratio in that range (<= 0.5 recommended) or a larger stride"
             )
+        if self.blocks is not None and (not isinstance(self.blocks, tuple) or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in self.blocks)):
+            out.append(f"blocks={self.blocks!r} must be None or block indices >= 0 (e.g. range(7, 21))")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             out.append(f"seed={self.seed!r} must be an int or None")
         if self.method not in METHODS:

@@ -15,13 +15,16 @@ import torch
 __all__ = ["ImportanceState", "StepState", "importance_map"]
 
 
-def importance_map(eps: torch.Tensor, channel_axis: int = 1) -> torch.Tensor:
+def importance_map(eps: torch.Tensor, channel_axis: int = 1, channels: int | None = None) -> torch.Tensor:
     """``[2P, C, H, W] -> [P, H, W]``: mean over channels of ``|eps_cond - eps_uncond|``.
 
     A video output (``[2P, C, F, H, W]``, AnimateDiff; ``[2P, F, C, H, W]`` with
     ``channel_axis=2``, SVD) gives ``[P*F, H, W]``: one map per frame, in the order the U-Net
-    folds frames into its batch (``b * F + f``), which is the order of its attention rows."""
+    folds frames into its batch (``b * F + f``), which is the order of its attention rows.
+    ``channels``: use only the first ones (an output of ``[eps; variance]``, PixArt)."""
     p = eps.shape[0] // 2
+    if channels is not None:
+        eps = eps.narrow(channel_axis, 0, channels)
     diff = (eps[p:] - eps[:p]).abs().float().mean(dim=channel_axis)
     return diff.reshape(-1, *diff.shape[-2:])
 
@@ -85,12 +88,12 @@ class StepState:
         self.plans, self.plan_kind, self.plan_age = plans, kind, 1
         self.plans_made += 1
 
-    def update(self, eps: torch.Tensor, channel_axis: int = 1) -> None:
+    def update(self, eps: torch.Tensor, channel_axis: int = 1, channels: int | None = None) -> None:
         """Fill the map from this call's output (a CFG batch; 5-D: a video's, see
         :func:`importance_map`); anything else clears it."""
         self.calls += 1
         if eps.dim() in (4, 5) and eps.shape[0] % 2 == 0 and eps.shape[0] > 0:
-            self.map = importance_map(eps.detach(), channel_axis)
+            self.map = importance_map(eps.detach(), channel_axis, channels)
         else:
             self.map = None
 

@@ -19,35 +19,58 @@ import torch
 
 from tome_compile.errors import ToMeModelError
 
-__all__ = ["ARCHITECTURES", "UNetInputs", "architecture_config", "build_unet", "example_inputs",
+__all__ = ["ARCHITECTURES", "MODEL_CLASSES", "UNetInputs", "architecture_class", "architecture_config", "build_unet", "example_inputs",
            "load_unet", "unet_input_names", "video_layout"]
 
 logger = logging.getLogger("tome_compile")
 
-ARCHITECTURES = ("sd15", "sd21", "sdxl")
+ARCHITECTURES = ("sd15", "sd21", "sdxl", "animatediff", "svd", "pixart")
+# The denoisers the pass knows, by diffusers class name: image U-Nets, video U-Nets, a DiT.
+MODEL_CLASSES = ("UNet2DConditionModel", "UNetMotionModel", "UNetSpatioTemporalConditionModel",
+                 "PixArtTransformer2DModel")
+
+
+def _shipped(name: str) -> dict[str, Any]:
+    if name not in ARCHITECTURES:
+        raise ToMeModelError(f"unknown architecture {name!r}; built-in ones are {ARCHITECTURES}")
+    return json.loads(resources.files("tome_compile.configs").joinpath(f"{name}.json").read_text())
 
 
 def architecture_config(name: str) -> dict[str, Any]:
-    """The shipped ``UNet2DConditionModel`` config of a built-in architecture."""
-    if name not in ARCHITECTURES:
-        raise ToMeModelError(f"unknown architecture {name!r}; built-in ones are {ARCHITECTURES}")
-    text = resources.files("tome_compile.configs").joinpath(f"{name}.json").read_text()
-    return {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
+    """The shipped config of a built-in architecture (its class: :func:`architecture_class`)."""
+    return {k: v for k, v in _shipped(name).items() if not k.startswith("_")}
+
+
+def architecture_class(name: str) -> str:
+    """The diffusers class of a built-in architecture (``UNet2DConditionModel``, ...)."""
+    return str(_shipped(name).get("_class_name", "UNet2DConditionModel"))
+
+
+def _model_class(name: str) -> Any:
+    import diffusers
+
+    if name not in MODEL_CLASSES:
+        raise ToMeModelError(f"{name} is not a model tome-compile knows; it takes {', '.join(MODEL_CLASSES)}")
+    return getattr(diffusers, name)
 
 
 def build_unet(name_or_config: str | dict[str, Any], *, seed: int = 0,
-               dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A ``UNet2DConditionModel`` with random weights (seeded, without touching the global RNG)."""
-    from diffusers import UNet2DConditionModel
-
-    config = architecture_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
+               dtype: torch.dtype = torch.float32, class_name: str | None = None) -> torch.nn.Module:
+    """A denoiser with random weights (seeded, without touching the global RNG): a built-in
+    architecture by name, or a config of ``class_name`` (default ``UNet2DConditionModel``)."""
+    if isinstance(name_or_config, str):
+        config, class_name = architecture_config(name_or_config), architecture_class(name_or_config)
+    else:
+        config = {k: v for k, v in name_or_config.items() if not k.startswith("_")}
+        class_name = class_name or str(name_or_config.get("_class_name", "UNet2DConditionModel"))
+    cls = _model_class(class_name)
     devices: list[Any] = []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         try:
-            unet = UNet2DConditionModel(**config)
+            unet = cls(**config)
         except TypeError as e:
-            raise ToMeModelError(f"bad U-Net config: {e}") from e
+            raise ToMeModelError(f"bad {class_name} config: {e}") from e
     return (unet if dtype == torch.float32 else unet.to(dtype)).eval()
 
 
@@ -62,16 +85,14 @@ def load_unet(spec: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[
     if not path.exists():
         raise ToMeModelError(f"model {str(spec)!r} not found: give a diffusers U-Net folder, a pipeline "
                              f"folder, or one of {ARCHITECTURES}")
-    folder = path / "unet" if (path / "unet" / "config.json").is_file() else path
+    # a pipeline folder: its U-Net (unet/) or its DiT (transformer/, PixArt)
+    folder = next((path / sub for sub in ("unet", "transformer") if (path / sub / "config.json").is_file()), path)
     if not (folder / "config.json").is_file():
         raise ToMeModelError(f"{str(path)!r} has no config.json (nor unet/config.json); it is not a "
                              "diffusers U-Net or pipeline folder")
-    _check_unet_config(folder)
-    from diffusers import UNet2DConditionModel
-
+    cls = _model_class(_check_unet_config(folder))
     try:
-        unet, info = UNet2DConditionModel.from_pretrained(folder, local_files_only=True, torch_dtype=dtype,
-                                                          output_loading_info=True)
+        unet, info = cls.from_pretrained(folder, local_files_only=True, torch_dtype=dtype, output_loading_info=True)
     except Exception as e:
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise ToMeModelError(f"could not load a U-Net from {str(folder)!r}: {first}") from e
@@ -80,11 +101,12 @@ def load_unet(spec: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[
         raise ToMeModelError(f"{str(folder)!r}: the weights lack {len(missing)} of the U-Net's tensors "
                              f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); the weight "
                              "file does not belong to this config.json, or is incomplete")
-    return unet.eval(), f"local U-Net {folder}"
+    return unet.eval(), f"local {cls.__name__} {folder}"
 
 
-def _check_unet_config(folder: Path) -> None:
-    """A diffusers ``UNet2DConditionModel`` config, or one clear line saying what it is instead."""
+def _check_unet_config(folder: Path) -> str:
+    """The class name of a denoiser config tome-compile knows (``MODEL_CLASSES``), or one clear
+    line saying what the folder holds instead."""
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -95,9 +117,11 @@ def _check_unet_config(folder: Path) -> None:
     if kind is None and "down_block_types" not in config:
         raise ToMeModelError(f"{str(folder / 'config.json')!r} is not a diffusers U-Net config (no _class_name, "
                              "no down_block_types); give a UNet2DConditionModel folder or a pipeline folder")
-    if kind is not None and kind != "UNet2DConditionModel":
-        raise ToMeModelError(f"{str(folder)!r} holds a {kind}, not a UNet2DConditionModel; give the U-Net "
-                             "folder (PIPELINE/unet) or the pipeline folder")
+    if kind is not None and kind not in MODEL_CLASSES:
+        raise ToMeModelError(f"{str(folder)!r} holds a {kind}, not a UNet2DConditionModel (nor another denoiser "
+                             f"tome-compile knows: {', '.join(MODEL_CLASSES[1:])}); give the U-Net folder "
+                             "(PIPELINE/unet) or the pipeline folder")
+    return str(kind or "UNet2DConditionModel")
 
 
 @dataclass
