@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tome_compile.config import ToMeConfig
+from tome_compile.config import ToMeConfig, parse_blocks
 from tome_compile.errors import ToMeError
 
 __all__ = ["main"]
@@ -24,6 +24,8 @@ EPILOG = """examples:
   tome-export sdxl.onnx --model sdxl --max-downsample 2 --height 1024 --width 1024 --batch 2
   tome-export unet.onnx --model ./my-unet --no-rand --ratio 0.4 --force
   tome-export --into ./sd15-onnx --model ./stable-diffusion-v1-5 --optimize cuda --fp16   # Optimum folder
+  tome-export ad.onnx --model animatediff --frames 16 --batch 2          # video: batch and frames fixed
+  tome-export pixart.onnx --model pixart --height 1024 --width 1024 --blocks 7-20 --merge-crossattn
 """
 
 
@@ -32,7 +34,13 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", nargs="?", help="output .onnx path (weights go to OUT.data beside it)")
     p.add_argument("--model", default=None,
-                   help="local diffusers U-Net or pipeline folder, or sd15 | sd21 | sdxl (random weights)")
+                   help="local diffusers U-Net / PixArt transformer or pipeline folder, or sd15 | sd21 | sdxl | "
+                        "animatediff | svd | pixart (random weights)")
+    p.add_argument("--frames", type=int, default=None,
+                   help="video U-Nets (AnimateDiff, SVD): frames per video (default 16 / 25)")
+    p.add_argument("--blocks", default=None, metavar="LIST",
+                   help="only these transformer blocks, e.g. 7-20 (PixArt: the released importance code's)")
+    p.add_argument("--pool-factor", type=float, default=1.4, help="importance: pool size factor (PixArt: 1)")
     p.add_argument("--height", type=int, default=512, help="image height in pixels (multiple of 8)")
     p.add_argument("--width", type=int, default=512, help="image width in pixels (multiple of 8)")
     p.add_argument("--batch", type=int, default=2,
@@ -161,7 +169,10 @@ def _run(args: argparse.Namespace) -> int:
     config = ToMeConfig(ratio=args.ratio, max_downsample=args.max_downsample, sx=args.sx, sy=args.sy,
                         use_rand=not args.no_rand, merge_crossattn=args.merge_crossattn,
                         merge_mlp=args.merge_mlp, method=args.method, seed=0, share_plan=args.share_plan,
-                        plan_every=args.plan_every)
+                        plan_every=args.plan_every, pool_factor=args.pool_factor,
+                        blocks=parse_blocks(args.blocks) if args.blocks is not None else None)
+    if args.frames is not None and not 1 <= args.frames <= 128:
+        raise _UsageError(f"--frames {args.frames} is outside [1, 128] (AnimateDiff: 16, SVD: 14 or 25)")
     if args.model not in ARCHITECTURES and not Path(args.model).exists():
         raise _UsageError(f"--model {args.model!r}: no such folder, and not one of {ARCHITECTURES}")
 
@@ -185,7 +196,7 @@ def _run(args: argparse.Namespace) -> int:
                                  force=args.force or bool(args.into), atol=args.atol,
                                  require_cuda_kernels=not args.no_cuda_check, step=step, portable=args.portable,
                                  partition_input=args.partition_input, dynamic_batch=not args.static_batch,
-                                 optimize=args.optimize)
+                                 optimize=args.optimize, frames=args.frames)
         bar.update(bar.total - bar.n)
     print(result.report.summary())
     inv = result.inventory

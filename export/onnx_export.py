@@ -35,12 +35,13 @@ import numpy as np
 import torch
 from tome_compile.export.inventory import InventoryReport, check_op_inventory
 from tome_compile.passes import PLAN_SLOTS, PLAN_WEIGHTS, ToMeResult, find_unet_io, merge_self_attention
+from tome_compile.passes.sites import node_shape as _sites_node_shape
 from torch import fx
 
 from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeExportError
 from tome_compile.inputs import draw_tome_inputs
-from tome_compile.models import example_inputs, unet_input_names, video_layout
+from tome_compile.models import example_inputs, is_dit, unet_input_names, video_layout
 from tome_compile.sampler import PartitionSampler
 
 __all__ = ["METADATA_KEY", "ExportResult", "check_opset", "check_output_path", "export_onnx", "optimize_for_ort",
@@ -148,6 +149,27 @@ def _plain_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
     return fx.GraphModule(unlifted, graph).eval()
 
 
+def _drop_noop_squeezes(gm: fx.GraphModule) -> int:
+    """``x.squeeze(d)`` of a dimension that is not 1 is a no-op in torch, but the exporter writes an
+    ONNX ``Squeeze`` that fails shape inference (PixArt's ``proj_out(...).squeeze(1)`` on
+    ``[B, N, C]``). Such nodes are replaced by their input. Returns how many."""
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims):
+            continue
+        shape = _sites_node_shape(node.args[0])
+        dims = node.args[1] if len(node.args) > 1 else None
+        dims = [dims] if isinstance(dims, int) else list(dims or [])
+        if shape is None or not dims or any(not isinstance(shape[d], int) or shape[d] == 1 for d in dims):
+            continue
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+        dropped += 1
+    if dropped:
+        gm.recompile()
+    return dropped
+
+
 def _assert_no_scatter_mean(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.op == "call_function" and "scatter_reduce" in str(node.target) and "mean" in map(
@@ -170,11 +192,16 @@ def check_opset(opset: int) -> int:
     return opset
 
 
-def _attention_count(unet: torch.nn.Module) -> int:
-    """The U-Net's attention layers (diffusers ``Attention`` modules): each must become one fused node."""
+def _attention_count(unet: torch.nn.Module, gm: fx.GraphModule) -> int:
+    """The attention layers (diffusers ``Attention`` modules) that must each become one fused node:
+    all but those with a mask (PixArt's text mask on cross-attention keeps the plain ONNX
+    translation: MultiHeadAttention's bias cannot broadcast over the queries)."""
     from diffusers.models.attention_processor import Attention
 
-    return sum(isinstance(m, Attention) for m in unet.modules())
+    masked = sum(1 for n in gm.graph.nodes if n.op == "call_function"
+                 and n.target is torch.ops.aten.scaled_dot_product_attention.default
+                 and (len(n.args) > 3 and n.args[3] is not None or n.kwargs.get("attn_mask") is not None))
+    return sum(isinstance(m, Attention) for m in unet.modules()) - masked
 
 
 # The U-Net inputs with a batch axis (dynamic in the export); the timestep ([1]) and ToMe inputs
@@ -199,6 +226,11 @@ def _trace(unet: torch.nn.Module, args: tuple[torch.Tensor, ...], sdxl: bool, in
         kwargs["added_cond_kwargs"] = {"text_embeds": inputs.text_embeds, "time_ids": inputs.time_ids}
     if inputs.added_time_ids is not None:  # SVD
         kwargs["added_time_ids"] = inputs.added_time_ids
+    if inputs.dit:  # PixArt: every input by name, in the order of the graph's inputs
+        kwargs = {**{k: v for k, v in inputs.kwargs().items() if k != "hidden_states"}, **kwargs}
+        with torch.no_grad():
+            ep = torch.export.export(unet, (inputs.sample,), kwargs)
+        return _plain_graph_module(ep)
     shapes = None
     if dynamic:
         batch = torch.export.Dim.DYNAMIC
@@ -321,19 +353,24 @@ def export_onnx(
     layout = video_layout(unet)
     if frames is not None and layout is None:
         raise ToMeExportError(f"frames={frames} is for video U-Nets; {type(unet).__name__} takes images")
-    dynamic = dynamic_batch and (config.method != "importance" or not config.enabled) and layout is None
+    dit = is_dit(unet)
+    dynamic = (dynamic_batch and (config.method != "importance" or not config.enabled) and layout is None
+               and not dit)
     # torch.export specialises a dynamic axis traced at size 1: trace a dynamic batch at >= 2
     # (the parity check still runs batch 1)
     traced = max(batch, 2) if dynamic else batch
     inputs = example_inputs(unet, batch=traced, height=height, width=width, seq_len=seq_len, seed=seed,
                             dtype=dtype, frames=frames)
-    # Optimum's and diffusers' ONNX pipelines send the timestep as float32 of shape [1].
-    inputs.timestep = torch.tensor([float(inputs.timestep)], dtype=torch.float32)
+    # Optimum's and diffusers' ONNX pipelines send the timestep as float32 of shape [1]; PixArt's
+    # blocks need one per image ([B], as PixArtAlphaPipeline sends it).
+    inputs.timestep = (inputs.timestep.to(torch.float32) if dit
+                       else torch.tensor([float(inputs.timestep)], dtype=torch.float32))
     args = inputs.args()
 
     step("tracing the U-Net (torch.export)")
     start = time.perf_counter()
     gm = _trace(unet, args, sdxl, inputs, dynamic)
+    _drop_noop_squeezes(gm)
     times["trace"] = time.perf_counter() - start
     unet_io = find_unet_io(gm)  # the noise output's channel axis and noise channels: the importance map reads them
 
@@ -344,7 +381,7 @@ def export_onnx(
                                   in_graph_random=not partition_input,
                                   plan_state="either" if config.plan_every > 1 else None)
     _assert_no_scatter_mean(gm)
-    attentions = _attention_count(unet)
+    attentions = _attention_count(unet, gm)
     extra = _example_tome_inputs(result, seed)
     input_names = names + result.input_names
 
@@ -360,7 +397,7 @@ def export_onnx(
         "height": height,
         "width": width,
         "seq_len": seq_len,
-        "timestep": "float32[1]",
+        "timestep": "float32[batch]" if dit else "float32[1]",
         "latent_hw": list(result.latent_hw or ()),
         "video_layout": layout,
         "frames": int(inputs.sample.shape[2 if layout == "BCFHW" else 1]) if layout else None,

@@ -115,6 +115,9 @@ class ToMeSession:
             array = flat[:1]
         elif name == "timestep" and list(spec.shape) == [1]:
             array = array.reshape(1)
+        elif name == "timestep" and array.size == 1 and len(spec.shape) == 1:  # PixArt: one per image
+            array = np.full(tuple(d if isinstance(d, int) else 1 for d in spec.shape), array.reshape(()),
+                            dtype=array.dtype)
         self._check_shape(name, tuple(array.shape))
         return array
 
@@ -149,8 +152,9 @@ class ToMeSession:
         output, *extras = self.session.get_outputs()
         for extra in extras:  # small: ORT allocates them on the CPU
             binding.bind_output(extra.name, "cpu")
-        sample = feed["sample"]
-        out = torch.empty(tuple(sample.shape), dtype=_TORCH[output.type], device=device)
+        sample = feed["sample"]  # the output has its shape, or its own static one (SVD, PixArt: other channels)
+        shape = tuple(d if isinstance(d, int) else sample.shape[i] for i, d in enumerate(output.shape))
+        out = torch.empty(shape, dtype=_TORCH[output.type], device=device)
         binding.bind_output(output.name, out.device.type, out.device.index or 0, _NUMPY_OF[out.dtype],
                             list(out.shape), out.data_ptr())
         if out.device.type == "cuda":
@@ -173,9 +177,12 @@ class ToMeSession:
                 if plans is not None or spec.draw not in ("plan_slot", "plan_weight", "reuse")}
         return feed, kind if plans is None else "reuse"
 
-    def __call__(self, sample: torch.Tensor, timestep: Any, encoder_hidden_states: torch.Tensor | None = None,
+    def __call__(self, sample: torch.Tensor | None = None, timestep: Any = None, encoder_hidden_states: torch.Tensor | None = None,
                  added_cond_kwargs: dict[str, torch.Tensor] | None = None, return_dict: bool = True,
-                 added_time_ids: torch.Tensor | None = None, **_: Any) -> Any:
+                 added_time_ids: torch.Tensor | None = None, encoder_attention_mask: torch.Tensor | None = None,
+                 hidden_states: torch.Tensor | None = None, **_: Any) -> Any:
+        if sample is None:  # PixArt's pipeline names the latent hidden_states
+            sample = hidden_states
         feed = {"sample": self._feed("sample", sample),
                 "timestep": self._feed("timestep", timestep),
                 "encoder_hidden_states": self._feed("encoder_hidden_states", encoder_hidden_states)}
@@ -183,6 +190,15 @@ class ToMeSession:
             if name in self.inputs:
                 if not added_cond_kwargs or name not in added_cond_kwargs:
                     raise ToMeExportError(f"this SDXL export needs added_cond_kwargs[{name!r}]")
+                feed[name] = self._feed(name, added_cond_kwargs[name])
+        if "encoder_attention_mask" in self.inputs:  # PixArt
+            mask = encoder_attention_mask if encoder_attention_mask is not None else torch.ones(
+                encoder_hidden_states.shape[:2])
+            feed["encoder_attention_mask"] = self._feed("encoder_attention_mask", mask)
+        for name in ("resolution", "aspect_ratio"):  # PixArt-α 1024
+            if name in self.inputs:
+                if not added_cond_kwargs or added_cond_kwargs.get(name) is None:
+                    raise ToMeExportError(f"this PixArt export needs added_cond_kwargs[{name!r}]")
                 feed[name] = self._feed(name, added_cond_kwargs[name])
         if "added_time_ids" in self.inputs:  # SVD
             if added_time_ids is None:

@@ -26,8 +26,20 @@ import torch
 from torch import fx
 
 __all__ = [
-    "AttentionSite", "UNetIO", "block_grid", "find_attention_sites", "find_unet_io", "latent_batch",
-    "latent_size", "token_grid", "module_path", "node_shape", "norm_input", "region_exits", "region_nodes", "temporal_reason",
+    "AttentionSite",
+    "UNetIO",
+    "block_grid",
+    "find_attention_sites",
+    "find_unet_io",
+    "latent_batch",
+    "latent_size",
+    "module_path",
+    "node_shape",
+    "norm_input",
+    "region_exits",
+    "region_nodes",
+    "temporal_reason",
+    "token_grid",
 ]
 
 # Recognised op variants, one table: Dynamo (torch level) -> torch.export (aten level).

@@ -27,3 +27,15 @@ def test_bench_bad_input(capsys):
     assert main(["--sizes", "100", "--variants", "eager"]) == 2
     assert "multiples of 8" in capsys.readouterr().err
     assert main(["--ratio", "0.9", "--variants", "eager"]) == 2
+
+
+def test_bench_refuses_tomesd_where_it_does_not_run(capsys, monkeypatch):
+    # video U-Nets: tomesd divides by zero; PixArt: it merges nothing — neither is a baseline
+    from conftest import tiny_pixart, tiny_video_unet
+
+    from tome_compile import bench
+
+    for model in (tiny_video_unet("animatediff"), tiny_pixart()):
+        monkeypatch.setattr(bench, "load_unet", lambda *a, m=model, **k: (m, "tiny"))
+        assert main(["--sizes", "128", "--repeats", "1", "--variants", "tomesd", "--no-blocks"]) == 2
+        assert "tomesd does not run on a " + type(model).__name__ in capsys.readouterr().err

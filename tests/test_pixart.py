@@ -121,3 +121,28 @@ def test_pixart_pipeline_end_to_end_without_recompiles():
     assert counters["stats"]["unique_graphs"] == 1 and sum(counters["graph_break"].values()) == 0
     assert [r.method for r in backend.reports] == ["tome", "importance"] and backend.importance.calls == 4
     assert len(backend.reports[0].rewritten) == 4
+
+
+@pytest.mark.parametrize("method", ["tome", "importance"])
+def test_onnx_runtime_equals_the_compiled_backend_call_by_call(tmp_path, method):
+    from tome_compile.export import ToMeSession, export_onnx
+
+    dit = tiny_pixart()
+    config = ToMeConfig(ratio=0.5, method=method, seed=0, blocks=(1, 2), merge_crossattn=True, pool_factor=1.0)
+    result = export_onnx(copy.deepcopy(dit), tmp_path / "pixart.onnx", config, height=128, width=128, seq_len=7,
+                         atol=1e-4, partition_input=True)
+    assert result.input_names[:4] == ["sample", "timestep", "encoder_hidden_states", "encoder_attention_mask"]
+    assert len(result.report.rewritten) == 4
+    assert result.fused_attention == 4  # the self-attentions; the masked cross-attentions stay plain ONNX
+    session = ToMeSession(result.path, seed=5)
+    model, backend = compiled(dit, ratio=config.replace(seed=5))
+    latent, kwargs = tiny_pixart_inputs()
+    kwargs["encoder_attention_mask"] = torch.tensor([[1.0] * 5 + [0.0] * 2] * 2)  # padded text
+    for t in (999, 900, 800):  # as the pipeline calls it: hidden_states=, a timestep per image
+        kwargs["timestep"] = torch.tensor([t, t])
+        got = session(hidden_states=latent, **kwargs).sample
+        expected = run(model, latent, kwargs)
+        assert got.shape == (2, 8, 16, 16) and (got - expected).abs().max() < 1e-4
+    if method == "importance":
+        assert session.meta["noise_channels"] == 4
+        assert torch.allclose(session.importance.map, backend.importance.map, atol=1e-5)

@@ -39,9 +39,9 @@ from typing import Any
 import torch
 
 from tome_compile.backend import ToMeBackend
-from tome_compile.config import ToMeConfig
+from tome_compile.config import ToMeConfig, parse_blocks
 from tome_compile.errors import ToMeError
-from tome_compile.models import example_inputs, load_unet
+from tome_compile.models import example_inputs, is_dit, load_unet, video_layout
 
 __all__ = ["main", "run_benchmark"]
 
@@ -135,6 +135,11 @@ def _variants(unet: torch.nn.Module, names: list[str], config: ToMeConfig
         elif name == "tomesd":
             import tomesd
 
+            if video_layout(unet) or is_dit(unet):
+                raise ToMeError(f"tomesd does not run on a {type(unet).__name__} (video U-Nets: it reads the "
+                                "frames as the image size and divides by zero; PixArt: it merges nothing); "
+                                "leave the tomesd variant out")
+
             patched = copy.deepcopy(unet)
             tomesd.apply_patch(patched, ratio=config.ratio, max_downsample=config.max_downsample,
                                sx=config.sx, sy=config.sy, use_rand=config.use_rand)
@@ -153,9 +158,9 @@ def _variants(unet: torch.nn.Module, names: list[str], config: ToMeConfig
 def run_size(unet: torch.nn.Module, size: int, args: argparse.Namespace, config: ToMeConfig,
              progress: Any) -> dict[str, Any]:
     device = torch.device(args.device)
-    inputs = example_inputs(unet, batch=args.batch, height=size, width=size, device=device)
+    inputs = example_inputs(unet, batch=args.batch, height=size, width=size, device=device, frames=args.frames)
     kwargs = inputs.kwargs()
-    sample = kwargs.pop("sample")
+    sample = kwargs.pop("hidden_states" if inputs.dit else "sample")
     torch._dynamo.reset()
     models, backends = _variants(unet, args.variants, config)
     results = {name: VariantResult(name) for name in models}
@@ -262,7 +267,8 @@ def format_tables(result: dict[str, Any]) -> str:
         v = entry["variants"]
         base = v.get("inductor", v.get("eager"))
         eager = v.get("eager")
-        lines.append(f"\n{result['model']} {entry['size']}x{entry['size']}, batch {result['batch']}, "
+        frames = f", {result['frames']} frames" if result.get("frames") else ""
+        lines.append(f"\n{result['model']} {entry['size']}x{entry['size']}{frames}, batch {result['batch']}, "
                      f"{result['dtype']}, ratio {result['ratio']}, {result['device']}, "
                      f"median of {result['repeats']}")
         lines.append("| variant | median s | vs inductor | vs eager | peak mem / call | first call s | sites |")
@@ -299,7 +305,7 @@ def format_tables(result: dict[str, Any]) -> str:
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
-    config = ToMeConfig(ratio=args.ratio, max_downsample=args.max_downsample, seed=0)
+    config = _config(args)
     if args.blocks_only:
         result = {"model": args.model, "batch": args.batch, "sizes": [], "blocks": [
             block_overhead(size, args, config) for size in args.sizes]}
@@ -311,7 +317,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     total = len(args.sizes) * len(args.variants) * (args.repeats + 1)
     result: dict[str, Any] = {
         "model": args.model, "batch": args.batch, "dtype": args.dtype, "ratio": args.ratio,
-        "device": args.device, "repeats": args.repeats, "torch": torch.__version__,
+        "device": args.device, "repeats": args.repeats, "frames": args.frames, "config": asdict(config), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "machine": platform.machine(), "sizes": [], "blocks": [],
     }
     with tqdm(total=total, desc="bench", unit="call", file=sys.stderr) as progress:
@@ -323,6 +329,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _config(args: argparse.Namespace) -> ToMeConfig:
+    return ToMeConfig(ratio=args.ratio, max_downsample=args.max_downsample, seed=0, pool_factor=args.pool_factor,
+                      merge_crossattn=args.merge_crossattn,
+                      blocks=parse_blocks(args.merge_blocks) if args.merge_blocks else None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tome-bench", description=__doc__.split("\n\n")[0],
@@ -330,7 +342,13 @@ def main(argv: list[str] | None = None) -> int:
         epilog="examples:\n  python -m tome_compile.bench\n"
                "  python -m tome_compile.bench --sizes 512 --variants inductor inductor+tome oracle\n"
                "  python -m tome_compile.bench --model ./my-sd15-pipeline --device cuda --dtype fp16")
-    parser.add_argument("--model", default="sd15", help="sd15 | sd21 | sdxl | a local diffusers folder")
+    parser.add_argument("--model", default="sd15",
+                        help="sd15 | sd21 | sdxl | animatediff | svd | pixart | a local diffusers folder")
+    parser.add_argument("--frames", type=int, default=None, help="video U-Nets: frames per video (16 / 25)")
+    parser.add_argument("--merge-blocks", default=None, metavar="LIST",
+                        help="ToMeConfig.blocks, e.g. 7-20 (PixArt)")
+    parser.add_argument("--merge-crossattn", action="store_true", help="merge cross-attention queries too")
+    parser.add_argument("--pool-factor", type=float, default=1.4, help="importance pool factor (PixArt: 1)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024], help="image sizes (square)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--ratio", type=float, default=0.5)
@@ -346,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks-only", action="store_true", help="only the per-block overhead table")
     args = parser.parse_args(argv)
     try:
-        ToMeConfig(ratio=args.ratio, max_downsample=args.max_downsample)
+        _config(args)
         if any(s % 8 for s in args.sizes):
             raise ToMeError(f"sizes {args.sizes} must be multiples of 8")
         result = run_benchmark(args)

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from tome_compile.errors import ToMeConfigError
 
-__all__ = ["METHODS", "ToMeConfig"]
+__all__ = ["METHODS", "ToMeConfig", "parse_blocks"]
 
 METHODS = ("tome", "importance")
 _MAX_DOWNSAMPLE = (1, 2, 4, 8)
@@ -154,3 +154,17 @@ class ToMeConfig:
         if ratio is not None:
             options["ratio"] = ratio
         return cls(**options)
+
+
+def parse_blocks(text: str) -> tuple[int, ...]:
+    """``"7-20"`` / ``"0,2,5-9"`` -> block indices (the command lines' ``--blocks``)."""
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            out.extend(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise ToMeConfigError(f"blocks {text!r}: give indices and ranges like 7-20 or 0,2,5-9") from None
+    if not out or min(out) < 0:
+        raise ToMeConfigError(f"blocks {text!r}: give indices >= 0 and ranges like 7-20 or 0,2,5-9")
+    return tuple(out)

@@ -20,7 +20,7 @@ import torch
 from tome_compile.errors import ToMeModelError
 
 __all__ = ["ARCHITECTURES", "MODEL_CLASSES", "UNetInputs", "architecture_class", "architecture_config", "build_unet", "example_inputs",
-           "load_unet", "unet_input_names", "video_layout"]
+           "is_dit", "load_unet", "unet_input_names", "video_layout"]
 
 logger = logging.getLogger("tome_compile")
 
@@ -101,7 +101,8 @@ def load_unet(spec: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[
         raise ToMeModelError(f"{str(folder)!r}: the weights lack {len(missing)} of the U-Net's tensors "
                              f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); the weight "
                              "file does not belong to this config.json, or is incomplete")
-    return unet.eval(), f"local {cls.__name__} {folder}"
+    kind = "U-Net" if cls.__name__ == "UNet2DConditionModel" else cls.__name__
+    return unet.eval(), f"local {kind} {folder}"
 
 
 def _check_unet_config(folder: Path) -> str:
@@ -135,21 +136,35 @@ class UNetInputs:
     text_embeds: torch.Tensor | None = None
     time_ids: torch.Tensor | None = None
     added_time_ids: torch.Tensor | None = None  # SVD: (fps, motion bucket, noise augmentation) per video
+    dit: bool = False  # PixArt: the latent is ``hidden_states``; a text mask; resolution conditions
+    encoder_attention_mask: torch.Tensor | None = None
+    resolution: torch.Tensor | None = None
+    aspect_ratio: torch.Tensor | None = None
 
     def args(self) -> tuple[torch.Tensor, ...]:
+        """In ``unet_input_names`` order (the order of the exported graph's inputs)."""
         extra = () if self.text_embeds is None else (self.text_embeds, self.time_ids)
-        extra += () if self.added_time_ids is None else (self.added_time_ids,)
+        extra += tuple(t for t in (self.added_time_ids, self.encoder_attention_mask, self.resolution,
+                                   self.aspect_ratio) if t is not None)
         return (self.sample, self.timestep, self.encoder_hidden_states) + extra
 
     def kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for the U-Net's ``forward``."""
-        out: dict[str, Any] = {"sample": self.sample, "timestep": self.timestep,
+        """Keyword arguments for the model's ``forward`` (in ``args`` order: torch.export keeps it)."""
+        out: dict[str, Any] = {"hidden_states" if self.dit else "sample": self.sample, "timestep": self.timestep,
                                "encoder_hidden_states": self.encoder_hidden_states}
         if self.text_embeds is not None:
             out["added_cond_kwargs"] = {"text_embeds": self.text_embeds, "time_ids": self.time_ids}
         if self.added_time_ids is not None:
             out["added_time_ids"] = self.added_time_ids
+        if self.dit:
+            out["encoder_attention_mask"] = self.encoder_attention_mask
+            out["added_cond_kwargs"] = {"resolution": self.resolution, "aspect_ratio": self.aspect_ratio}
         return out
+
+
+def is_dit(unet: torch.nn.Module) -> bool:
+    """A diffusion transformer (PixArt-α) rather than a U-Net."""
+    return type(unet).__name__ == "PixArtTransformer2DModel"
 
 
 def video_layout(unet: torch.nn.Module) -> str | None:
@@ -164,6 +179,9 @@ def unet_input_names(unet: torch.nn.Module) -> list[str]:
         names += ["text_embeds", "time_ids"]
     if video_layout(unet) == "BFCHW":
         names += ["added_time_ids"]
+    if is_dit(unet):
+        names += ["encoder_attention_mask"]
+        names += ["resolution", "aspect_ratio"] if getattr(unet, "use_additional_conditions", False) else []
     return names
 
 
@@ -190,6 +208,15 @@ def example_inputs(unet: torch.nn.Module, *, batch: int = 2, height: int = 512, 
         return _video_inputs(unet, layout, batch, frames or DEFAULT_FRAMES[layout], height // scale,
                              width // scale, seq_len, g, device, dtype)
     sample = torch.randn(batch, cfg.in_channels, height // scale, width // scale, generator=g)
+    if is_dit(unet):  # as PixArtAlphaPipeline calls it: one timestep per image, T5 embeddings + mask
+        ehs = torch.randn(batch, seq_len, cfg.caption_channels, generator=g)
+        extra = getattr(unet, "use_additional_conditions", False)
+        return UNetInputs(sample.to(device, dtype), torch.full((batch,), 999.0, device=device), ehs.to(device, dtype),
+                          dit=True, encoder_attention_mask=torch.ones(batch, seq_len, device=device, dtype=dtype),
+                          resolution=torch.tensor([[height, width]] * batch, device=device, dtype=dtype) if extra
+                          else None,
+                          aspect_ratio=torch.tensor([[height / width]] * batch, device=device, dtype=dtype) if extra
+                          else None)
     ehs = torch.randn(batch, seq_len, cfg.cross_attention_dim, generator=g)
     inputs = UNetInputs(sample.to(device, dtype), torch.tensor(999, device=device),
                         ehs.to(device, dtype))
