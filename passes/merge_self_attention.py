@@ -509,7 +509,11 @@ def merge_self_attention(
     plans = [d for d in decisions if isinstance(d, BlockPlan)] if config.enabled else []
     first = next((s[0] for p in plans if isinstance(s := _sites.node_shape(p.site.input), tuple)), None)
     batch = first if isinstance(first, int) else None
-    mode = _choose_mode(config, method, oracle, in_graph_fallback, batch, in_graph_random, plan_state)
+    # the CFG pairs are pairs of samples: a video U-Net folds its frames into the attention batch
+    # (1 video x 16 frames is 16 rows and still no pair)
+    samples = _sites.sample_batch(gm)
+    pairs_of = samples if samples is not None and isinstance(batch, int) and batch % samples == 0 else batch
+    mode = _choose_mode(config, method, oracle, in_graph_fallback, pairs_of, in_graph_random, plan_state)
     # a symbolic batch (dynamic ONNX export) sizes the plan-state specs by its traced value
     hint = batch if batch is not None else getattr(getattr(first, "node", None), "hint", None)
     kept, (specs, outputs), failures = (_apply(gm, plans, config, mode, latent, hint, validate) if plans

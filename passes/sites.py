@@ -38,6 +38,7 @@ __all__ = [
     "norm_input",
     "region_exits",
     "region_nodes",
+    "sample_batch",
     "temporal_reason",
     "token_grid",
 ]
@@ -258,6 +259,13 @@ def token_grid(gm: fx.GraphModule) -> tuple[int, int] | None:
     if shape is not None and len(shape) == 4 and _static(shape[2:]):
         return int(shape[2]), int(shape[3])
     return None
+
+
+def sample_batch(gm: fx.GraphModule) -> int | None:
+    """The batch of the model's sample input (videos for a video U-Net), or None when unknown."""
+    node = _sample_placeholder(gm)
+    shape = node_shape(node) if node is not None else None
+    return int(shape[0]) if shape and isinstance(shape[0], int) else None
 
 
 def latent_batch(gm: fx.GraphModule) -> int | None:

@@ -365,7 +365,6 @@ def test_cli_rejects_opsets_the_exporter_cannot_write(tmp_path, sd15_folder, cap
     (["--height", "100"], "--height 100 must be a positive multiple of 8"),
     (["--max-downsample", "3"], "max_downsample=3"),
     (["--batch", "0"], "--batch 0"),
-    (["--frames", "4"], "frames=4 is for video U-Nets; UNet2DConditionModel takes images"),
 ])
 def test_cli_bad_input(tmp_path, sd15_folder, capsys, argv, words):
     args = [str(tmp_path / "bad.onnx"), "--model", str(sd15_folder), "--height", str(HW), "--width", str(HW), "--seq-len", "7"]
@@ -511,6 +510,7 @@ def test_cli_names_missing_weight_keys(tmp_path, unet, capsys):
     (["--frames", "0"], "--frames 0 is outside [1, 128]"),
     (["--blocks", "7-x"], "blocks '7-x': give indices and ranges like 7-20"),
     (["--blocks", "-3"], "blocks '-3'"),
+    (["--frames", "4"], "frames=4 is for video U-Nets; UNet2DConditionModel takes images"),
 ])
 def test_cli_rejects_sizes_before_any_work(tmp_path, sd15_folder, capsys, argv, words):
     assert main([str(tmp_path / "x.onnx")] + _base(sd15_folder) + argv) == 2

@@ -195,3 +195,18 @@ def test_onnx_runtime_equals_the_compiled_backend_call_by_call(tmp_path, kind, m
     with pytest.raises(Exception, match="frames=3 is for video U-Nets"):
         from conftest import tiny_unet
         export_onnx(tiny_unet("sd15"), tmp_path / "image.onnx", config, frames=3)
+
+
+def test_one_video_is_no_cfg_pair_even_with_an_even_frame_count():
+    # 1 video x 4 frames = 4 attention rows: even, but no [uncond; cond] pair — fixed destinations
+    # (tomesd's rule for a batch without pairs) and no importance graph
+    unet = tiny_video_unet("animatediff")
+    sample, kwargs = tiny_video_inputs("animatediff", batch=1, frames=4)
+    model, backend = compiled(unet, ratio=0.5, method="importance", seed=0)
+    with pytest.warns(UserWarning, match="holds no pair"):
+        out = run(model, sample, kwargs)
+    (report,) = backend.reports
+    assert all("batch 1 is odd: fixed destinations" in s.reason for s in report.rewritten)
+    assert not report.inputs  # no partition drawn, no map
+    fixed, _ = compiled(unet, ratio=0.5, use_rand=False)
+    assert torch.equal(out, run(fixed, sample, kwargs))
