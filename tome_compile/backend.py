@@ -229,8 +229,10 @@ class ToMeBackend:
             result_imp, compiled_imp = self._rewrite_and_compile(gm, example_inputs, compile_fn, "importance",
                                                                  keep)
             if result_imp.method != "importance":
+                sample = example_inputs[io.sample_index]
+                samples = sample.shape[0] if isinstance(sample, torch.Tensor) else result_imp.batch
                 self.say_once(f"ToMe: importance merging needs CFG batches [uncond; cond]; a batch of "
-                              f"{result_imp.batch} holds no pair, so its calls use random ToMe plans")
+                              f"{samples} holds no pair, so its calls use ToMe plans")
             else:
                 self.reports.append(result_imp)
                 runner.graphs["importance"] = (compiled_imp, result_imp)
