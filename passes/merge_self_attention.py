@@ -310,7 +310,7 @@ def _select_blocks(decisions: list[BlockPlan | Skip], found: list[_sites.Attenti
 
 def _ranges(values: tuple[int, ...]) -> str:
     """(7, 8, ..., 20) -> "7-20"; (1, 3, 4) -> "1,3-4"."""
-    parts: list[str] = []
+    parts: list[tuple[int, int]] = []
     for v in sorted(set(values)):
         if parts and parts[-1][1] == v - 1:
             parts[-1] = (parts[-1][0], v)

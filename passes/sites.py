@@ -127,7 +127,7 @@ def _projection_of(node: Any) -> fx.Node | None:
             return None
         if _is_call(node, _LINEAR_OPS):
             return node
-        if node.op == "call_method" and node.target in _PASSTHROUGH_METHODS or node.op == "call_function" and node.target in _PASSTHROUGH_FUNCS:
+        if _is_shape_op(node):
             node = node.args[0]
         else:
             return None
@@ -314,16 +314,14 @@ def norm_input(node: fx.Node) -> fx.Node | None:
     through an adaLN modulation ``norm1(x) * (1 + scale) + shift`` (PixArt, DiT): the metric is
     still the block input."""
     want = node_shape(node)
-    for _ in range(3):
+    for _ in range(4):  # the norm itself, or up to three modulation ops above it
         if _is_call(node, _LAYER_NORM_OPS) and isinstance(node.args[0], fx.Node):
             return node.args[0]
         if not _is_call(node, _MODULATION_OPS):
             return None
         # follow the operand of the token stream's shape (scale and shift are [B, 1, C])
         node = next((a for a in node.args if isinstance(a, fx.Node) and node_shape(a) == want), None)
-        if node is None:
-            return None
-    return node.args[0] if _is_call(node, _LAYER_NORM_OPS) and isinstance(node.args[0], fx.Node) else None
+    return None
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,20 @@ def call(model: Callable[..., Any], inputs: Any) -> torch.Tensor:
         return model(sample, **kwargs).sample
 
 
+def compiled(model: torch.nn.Module, **options: Any) -> tuple[Callable[..., Any], Any]:
+    """``torch.compile`` of a copy with a fresh ToMe backend (eager inner compiler unless given)."""
+    from tome_compile import tome_backend
+
+    backend = tome_backend(compiler=options.pop("compiler", "eager"), **options)
+    return torch.compile(copy.deepcopy(model), backend=backend, fullgraph=True), backend
+
+
+def run(model: Callable[..., Any], sample: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    """``model(sample, **kwargs).sample`` without grad (video U-Nets, PixArt: their own call forms)."""
+    with torch.no_grad():
+        return model(sample, **kwargs).sample
+
+
 def tomesd_reference(unet: torch.nn.Module, seed: int | None = None, **options: Any) -> torch.nn.Module:
     """tomesd.apply_patch on a copy: the reference oracle. ``seed`` seeds its generator."""
     import tomesd

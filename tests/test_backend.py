@@ -7,14 +7,9 @@ import warnings
 
 import pytest
 import torch
-from conftest import CountingCompiler, call, tiny_inputs, tiny_unet, tomesd_reference
+from conftest import CountingCompiler, call, compiled, tiny_inputs, tiny_unet, tomesd_reference
 
 from tome_compile import ToMeWarning, tome_backend
-
-
-def compiled(unet, **options):
-    backend = tome_backend(compiler=options.pop("compiler", "eager"), **options)
-    return torch.compile(copy.deepcopy(unet), backend=backend, fullgraph=True), backend
 
 
 @pytest.mark.parametrize("kind, options, sites", [

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from conftest import tiny_pixart, tiny_pixart_inputs
+from conftest import compiled, run, tiny_pixart, tiny_pixart_inputs
 from test_importance import RecordingCompiler
 from video_reference import per_frame_tome
 
@@ -18,14 +18,6 @@ from tome_compile.importance import importance_map
 SELECTED = re.compile(r"^transformer_blocks\.[12]$")
 
 
-def run(model, latent, kwargs):
-    with torch.no_grad():
-        return model(latent, **kwargs).sample
-
-
-def compiled(model, **options):
-    backend = tome_backend(compiler=options.pop("compiler", "eager"), **options)
-    return torch.compile(copy.deepcopy(model), backend=backend, fullgraph=True), backend
 
 
 @pytest.mark.parametrize("options, rewritten", [

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import CountingCompiler, tiny_video_inputs, tiny_video_unet, tomesd_reference
+from conftest import CountingCompiler, compiled, run, tiny_video_inputs, tiny_video_unet, tomesd_reference
 from test_importance import RecordingCompiler
 from video_reference import per_frame_tome, tomesd_per_frame
 
@@ -21,14 +21,6 @@ SPATIAL = ["down_blocks.0.attentions.0.transformer_blocks.0.attn1",
            "up_blocks.1.attentions.1.transformer_blocks.0.attn1"]
 
 
-def run(model, sample, kwargs):
-    with torch.no_grad():
-        return model(sample, **kwargs).sample
-
-
-def compiled(unet, **options):
-    backend = tome_backend(compiler=options.pop("compiler", "eager"), **options)
-    return torch.compile(copy.deepcopy(unet), backend=backend, fullgraph=True), backend
 
 
 @pytest.mark.parametrize("kind", KINDS)
