@@ -76,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
                         "adds the tome_plan_slots/_weights and tome_reuse_plan inputs and two outputs, "
                         "which ToMeSession feeds back")
     p.add_argument("--method", default="tome", choices=["tome", "importance"])
+    p.add_argument("--guidance", default="auto", choices=["auto", "cfg", "pix2pix", "pag", "none"],
+                   help="importance: which rows of the batch are one image's: cfg [uncond; cond], pix2pix "
+                        "[text; image; uncond], pag [uncond; cond; perturbed] (default auto: cfg for an "
+                        "even batch not a multiple of 6)")
     p.add_argument("--opset", type=int, default=20, help="ONNX opset 18..23 (default 20; 23 has no CUDA group norm)")
     p.add_argument("--fp16", action="store_true",
                    help="export in float16 (runs on the CPU EP too: the merge's scatter stays float32)")
@@ -169,7 +173,7 @@ def _run(args: argparse.Namespace) -> int:
     config = ToMeConfig(ratio=args.ratio, max_downsample=args.max_downsample, sx=args.sx, sy=args.sy,
                         use_rand=not args.no_rand, merge_crossattn=args.merge_crossattn,
                         merge_mlp=args.merge_mlp, method=args.method, seed=0, share_plan=args.share_plan,
-                        plan_every=args.plan_every, pool_factor=args.pool_factor,
+                        plan_every=args.plan_every, pool_factor=args.pool_factor, guidance=args.guidance,
                         blocks=parse_blocks(args.blocks) if args.blocks is not None else None)
     if args.frames is not None and not 1 <= args.frames <= 128:
         raise _UsageError(f"--frames {args.frames} is outside [1, 128] (AnimateDiff: 16, SVD: 14 or 25)")

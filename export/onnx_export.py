@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from tome_compile.export.inventory import InventoryReport, check_op_inventory
 from tome_compile.passes import PLAN_SLOTS, PLAN_WEIGHTS, ToMeResult, find_unet_io, merge_self_attention
+from tome_compile.passes.merge_self_attention import nothing_rewritten
 from tome_compile.passes.sites import node_shape as _sites_node_shape
 from torch import fx
 
@@ -380,6 +381,8 @@ def export_onnx(
     result = merge_self_attention(gm, config, oracle=oracle, in_graph_fallback=True,
                                   in_graph_random=not partition_input,
                                   plan_state="either" if config.plan_every > 1 else None)
+    if not oracle and (why := nothing_rewritten(result, config)) is not None:
+        raise ToMeExportError(f"{why} — nothing to export with ToMe (--ratio 0 exports the plain U-Net)")
     _assert_no_scatter_mean(gm)
     attentions = _attention_count(unet, gm)
     extra = _example_tome_inputs(result, seed)
@@ -404,6 +407,7 @@ def export_onnx(
         "channel_axis": unet_io.channel_axis,
         "noise_channels": unet_io.noise_channels,
         "method": result.method,
+        "guidance": result.guidance.name if result.guidance is not None else None,
         "attention": "plain" if portable else "com.microsoft.MultiHeadAttention",
         "destinations": "tome_partition input" if partition_input else "hashed from tome_seed and timestep",
         "sites": [s.line() for s in result.sites],

@@ -25,9 +25,9 @@ from tome_compile.export.onnx_export import METADATA_KEY, METADATA_VERSION, defa
 from tome_compile.passes import SEED_INPUT
 
 from tome_compile.errors import ToMeExportError
-from tome_compile.importance import StepState
-from tome_compile.inputs import ToMeInputSpec, draw_tome_inputs
-from tome_compile.sampler import PartitionSampler
+from tome_compile.guidance import GUIDANCE, random_destinations
+from tome_compile.inputs import ToMeInputSpec
+from tome_compile.state import CallDriver, CallState, check_seed
 
 __all__ = ["ToMeSession"]
 
@@ -38,21 +38,49 @@ _NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(in
 _TORCH = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16}
 _NUMPY_OF = {torch.float32: np.float32, torch.float16: np.float16}
 
+# What a keyword of the diffusers call stands for, when this export has no input of that name.
+_NOT_EXPORTED = {
+    "down_block_additional_residuals": "ControlNet residual inputs",
+    "mid_block_additional_residual": "ControlNet residual inputs",
+    "down_intrablock_additional_residuals": "T2I-Adapter residual inputs",
+    "timestep_cond": "timestep_cond input (LCM's guidance embedding)",
+    "class_labels": "class_labels input",
+    "cross_attention_kwargs": "per-call attention arguments (LoRA scale, IP-Adapter: fixed at export)",
+    "attention_mask": "attention_mask input",
+    "encoder_attention_mask": "encoder_attention_mask input",
+    "added_time_ids": "added_time_ids input (SVD)",
+}
+# Required inputs, what to say when one is missing
+_NEEDS = {"encoder_hidden_states": "encoder_hidden_states [B, L, D] (the text embeddings)",
+          "text_embeds": "added_cond_kwargs['text_embeds'] (SDXL's pooled text embedding)",
+          "time_ids": "added_cond_kwargs['time_ids'] (SDXL's size and crop conditioning)",
+          "added_time_ids": "added_time_ids (SVD: fps, motion bucket, noise augmentation per video)",
+          "resolution": "added_cond_kwargs['resolution'] (PixArt-α 1024)",
+          "aspect_ratio": "added_cond_kwargs['aspect_ratio'] (PixArt-α 1024)"}
+
 
 class _Output(SimpleNamespace):
-    sample: torch.Tensor
+    sample: Any
 
-    def __getitem__(self, index: int) -> torch.Tensor:
+    def __getitem__(self, index: int) -> Any:
         return (self.sample,)[index]
 
 
 class ToMeSession:
     """ONNX Runtime session of a ``tome-export`` model with the U-Net's call signature.
 
+    It takes exactly what the export takes: every keyword of the diffusers call is fed to an input
+    of the file or refused with one line (a ControlNet residual to an export without such inputs is
+    an error, never silently dropped). NumPy in (diffusers' ONNX pipelines), NumPy out; torch in,
+    torch out on the caller's device. The call state (importance map, ``plan_every``'s plans, the
+    random draws) is the caller's — per thread, or per ``tome_compile.generation()`` — and is run by
+    the same :class:`~tome_compile.state.CallDriver` as the ``torch.compile`` backend.
+
     Args:
         path: the ``.onnx`` file (its ``.onnx.data`` beside it).
         providers: ONNX Runtime providers; default CUDA EP when available, else CPU.
-        seed: seed of the partition generator (``None``: from the OS; hashed exports get 0).
+        seed: seed of every generation's partition draws (``None``: from the OS; hashed exports
+            get 0), in ``[0, 2**63 - 1]``.
         io_binding: bind torch tensors to the session by pointer (no NumPy round trip; the output
             is written into a torch tensor on the input's device). Default: on for the CUDA EP.
     """
@@ -62,6 +90,8 @@ class ToMeSession:
         import onnx
         import onnxruntime as ort
 
+        if seed is not None:
+            check_seed(seed, "ToMeSession(seed=...)")
         path = Path(path)
         if not path.is_file():
             raise ToMeExportError(f"no ONNX model at {str(path)!r}")
@@ -74,6 +104,7 @@ class ToMeSession:
                                   "export it again with this tome-export")
         self.specs = [ToMeInputSpec.from_json(d) for d in self.meta.get("tome_inputs", [])]
         self._uses_map = any(spec.draw == "importance" for spec in self.specs)
+        self.guidance = GUIDANCE.get(self.meta.get("guidance") or "cfg") if self._uses_map else None
         # plan_every exports return their plans as extra outputs; later calls feed them back
         self._keeps_plans = bool(self.meta.get("tome_outputs"))
         self.plan_every = int(self.meta.get("plan_every", 1))
@@ -84,17 +115,44 @@ class ToMeSession:
         self.provider = self.session.get_providers()[0]
         logger.info("ToMeSession: %s on %s", path.name, self.provider)
         self.inputs = {i.name: i for i in self.session.get_inputs()}
-        self.sampler = PartitionSampler(seed)
-        self.importance = StepState()  # the importance map and plan_every's plans
+        tome_names = {spec.name for spec in self.specs}
+        self._model_inputs = [name for name in self.inputs if name not in tome_names]
+        defaults = {tensor.name for tensor in model.graph.initializer}
+        self._required = {name for name in self._model_inputs if name not in defaults}  # no default value
+        self.seed = seed
+        self._said: set[str] = set()
+        self.driver = CallDriver(seed=seed, plan_every=self.plan_every, say=self._say_once)
         self.config = SimpleNamespace(**self.meta.get("unet_config", {}))
         self.dtype = torch.float16 if self.meta.get("dtype") == "float16" else torch.float32
         self.device = torch.device("cpu")
         self.io_binding = self.provider == "CUDAExecutionProvider" if io_binding is None else io_binding
 
+    @property
+    def model(self) -> Any:
+        """The ONNX Runtime session (diffusers' ``OnnxRuntimeModel.model``: its ONNX pipelines read
+        the timestep's type from it)."""
+        return self.session
+
+    def _say_once(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            logger.warning("%s", message)
+
+    def call_state(self) -> CallState | None:
+        """The calling thread's (or ``generation()``'s) state: guidance map, plans, counters."""
+        return self.driver.state()
+
+    @property
+    def importance(self) -> CallState | None:
+        """Old name of :meth:`call_state`."""
+        return self.call_state()
+
     def reset(self, seed: int | None = None) -> None:
-        """Start a new generation: restart the random sequence, forget the importance map and plans."""
-        self.sampler.reseed(seed)
-        self.importance.reset()
+        """Every caller's next call starts a new generation: no map, no plans, the random sequence
+        from ``seed`` (else the session's seed)."""
+        if seed is not None:
+            check_seed(seed, "reset(seed=...)")
+        self.driver.reset(seed)
 
     def _feed(self, name: str, value: Any) -> np.ndarray | torch.Tensor:
         if name not in self.inputs:
@@ -132,7 +190,7 @@ class ToMeSession:
              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One call: plain ``run`` on NumPy arrays, or IO binding (torch tensors by pointer, the
         output written into a torch tensor allocated on ``device``). Returns the sample and the
-        extra outputs (plan_every's plans, on the CPU)."""
+        extra outputs (plan_every's plans, on the CPU), in the model's output order."""
         # ONNX Runtime cannot bind an optional input (an initializer with a default): such a call
         # takes the plain path; a default value is simply left out.
         if SEED_INPUT in feed and not feed[SEED_INPUT].any():  # the default, 0
@@ -150,13 +208,13 @@ class ToMeSession:
             else:
                 binding.bind_cpu_input(name, value)
         output, *extras = self.session.get_outputs()
-        for extra in extras:  # small: ORT allocates them on the CPU
-            binding.bind_output(extra.name, "cpu")
         sample = feed["sample"]  # the output has its shape, or its own static one (SVD, PixArt: other channels)
         shape = tuple(d if isinstance(d, int) else sample.shape[i] for i, d in enumerate(output.shape))
         out = torch.empty(shape, dtype=_TORCH[output.type], device=device)
         binding.bind_output(output.name, out.device.type, out.device.index or 0, _NUMPY_OF[out.dtype],
                             list(out.shape), out.data_ptr())
+        for extra in extras:  # small: ORT allocates them on the CPU; get_outputs() keeps the bind order
+            binding.bind_output(extra.name, "cpu")
         if out.device.type == "cuda":
             binding.synchronize_inputs()
         self.session.run_with_iobinding(binding)
@@ -164,52 +222,71 @@ class ToMeSession:
             binding.synchronize_outputs()
         return out, [torch.from_numpy(v.numpy()) for v in binding.get_outputs()[1:]]
 
-    def _tome_feed(self, sample_shape: tuple[int, ...], timestep: Any) -> tuple[dict[str, np.ndarray], str]:
-        """The ToMe inputs, drawn as ``tome_backend`` draws them (same specs, same order), and the
-        kind of plan the call uses. A call that plans leaves the plan inputs out (their defaults:
-        reuse off); one that reuses feeds the plans an earlier call returned."""
-        state = self._uses_map or self._keeps_plans
-        current = self.importance.current(tuple(sample_shape), timestep) if state else None
-        kind = "importance" if current is not None else "tome"
-        plans = self.importance.plans_to_reuse(kind, self.plan_every) if self._keeps_plans else None
-        values = draw_tome_inputs(self.specs, self.sampler, current, "cpu", plans)
-        feed = {spec.name: value.numpy() for spec, value in zip(self.specs, values)
-                if plans is not None or spec.draw not in ("plan_slot", "plan_weight", "reuse")}
-        return feed, kind if plans is None else "reuse"
+    def _gather_inputs(self, sample: Any, encoder_hidden_states: Any, added_cond_kwargs: dict[str, Any] | None,
+                       named: dict[str, Any]) -> dict[str, Any]:
+        """Every model input of this call by name: each keyword fed to an input of the file, or
+        refused with one line (never silently dropped); a missing required one named."""
+        given: dict[str, Any] = {"sample": sample, "encoder_hidden_states": encoder_hidden_states}
+        for source, values in (("", named), ("added_cond_kwargs", added_cond_kwargs or {})):
+            for name, value in values.items():
+                if value is None or (name == "cross_attention_kwargs" and value == {}):
+                    continue  # what diffusers passes for "not used"
+                if name in self._model_inputs:
+                    given[name] = value
+                    continue
+                where = f"added_cond_kwargs[{name!r}]" if source else name
+                if name in {spec.name for spec in self.specs}:
+                    raise ToMeExportError(f"{where}: ToMe's inputs are fed by ToMeSession itself; call "
+                                          "session.run() to feed them by hand")
+                what = _NOT_EXPORTED.get(name, f"input named {name!r}")
+                raise ToMeExportError(f"this export has no {what}, but {where} was given: it would be ignored; "
+                                      f"the export takes {', '.join(self._model_inputs)} (run this model "
+                                      "through torch.compile(backend=tome_backend(...)) for the others)")
+        if "encoder_attention_mask" in self._model_inputs and "encoder_attention_mask" not in given \
+                and isinstance(encoder_hidden_states, (torch.Tensor, np.ndarray)):  # PixArt: all tokens
+            given["encoder_attention_mask"] = np.ones(encoder_hidden_states.shape[:2], dtype=np.float32)
+        for name in self._model_inputs:
+            if name != "timestep" and given.get(name) is None and name in self._required:
+                raise ToMeExportError(f"this export needs {_NEEDS.get(name, name)}; it was not given")
+        return {name: value for name, value in given.items() if value is not None}
 
-    def __call__(self, sample: torch.Tensor | None = None, timestep: Any = None, encoder_hidden_states: torch.Tensor | None = None,
-                 added_cond_kwargs: dict[str, torch.Tensor] | None = None, return_dict: bool = True,
-                 added_time_ids: torch.Tensor | None = None, encoder_attention_mask: torch.Tensor | None = None,
-                 hidden_states: torch.Tensor | None = None, **_: Any) -> Any:
+    def _check_batch(self, feed: dict[str, Any]) -> None:
+        """Inputs with a dynamic batch axis must have the sample's batch (ORT would say it deep
+        inside an attention node)."""
+        batch = int(feed["sample"].shape[0])
+        for name, value in feed.items():
+            dims = self.inputs[name].shape if name in self.inputs else []
+            if name != "sample" and dims and not isinstance(dims[0], int) and len(value.shape) \
+                    and int(value.shape[0]) != batch:
+                raise ToMeExportError(f"{name} has batch {int(value.shape[0])}, the sample has {batch}: one row "
+                                      "per sample (with classifier-free guidance, repeat the text embeddings "
+                                      "for the uncond and cond halves)")
+
+    def __call__(self, sample: Any = None, timestep: Any = None, encoder_hidden_states: Any = None,
+                 added_cond_kwargs: dict[str, Any] | None = None, return_dict: bool = True, *,
+                 hidden_states: Any = None, **named: Any) -> Any:
         if sample is None:  # PixArt's pipeline names the latent hidden_states
             sample = hidden_states
-        feed = {"sample": self._feed("sample", sample),
-                "timestep": self._feed("timestep", timestep),
-                "encoder_hidden_states": self._feed("encoder_hidden_states", encoder_hidden_states)}
-        for name in ("text_embeds", "time_ids"):
-            if name in self.inputs:
-                if not added_cond_kwargs or name not in added_cond_kwargs:
-                    raise ToMeExportError(f"this SDXL export needs added_cond_kwargs[{name!r}]")
-                feed[name] = self._feed(name, added_cond_kwargs[name])
-        if "encoder_attention_mask" in self.inputs:  # PixArt
-            mask = encoder_attention_mask if encoder_attention_mask is not None else torch.ones(
-                encoder_hidden_states.shape[:2])
-            feed["encoder_attention_mask"] = self._feed("encoder_attention_mask", mask)
-        for name in ("resolution", "aspect_ratio"):  # PixArt-α 1024
-            if name in self.inputs:
-                if not added_cond_kwargs or added_cond_kwargs.get(name) is None:
-                    raise ToMeExportError(f"this PixArt export needs added_cond_kwargs[{name!r}]")
-                feed[name] = self._feed(name, added_cond_kwargs[name])
-        if "added_time_ids" in self.inputs:  # SVD
-            if added_time_ids is None:
-                raise ToMeExportError("this SVD export needs added_time_ids (fps, motion bucket, noise "
-                                      "augmentation per video)")
-            feed["added_time_ids"] = self._feed("added_time_ids", added_time_ids)
-        tome, kind = self._tome_feed(tuple(feed["sample"].shape), timestep)
-        feed.update(tome)
-        result, extras = self._run(feed, sample.device if isinstance(sample, torch.Tensor) else torch.device("cpu"))
-        if self._keeps_plans and kind != "reuse":
-            self.importance.keep_plans(kind, (extras[0], extras[1]))
-        if self._uses_map:
-            self.importance.update(result, int(self.meta.get("channel_axis", 1)), self.meta.get("noise_channels"))
+        if sample is None:
+            raise ToMeExportError("ToMeSession needs the latent: sample (or hidden_states for PixArt)")
+        if timestep is None:
+            raise ToMeExportError("ToMeSession needs the timestep of the call (a number or a tensor); without "
+                                  "it the time embedding would be garbage")
+        given = self._gather_inputs(sample, encoder_hidden_states, added_cond_kwargs, named)
+        feed = {name: self._feed(name, value) for name, value in given.items() if name != "timestep"}
+        feed["timestep"] = self._feed("timestep", timestep)
+        self._check_batch(feed)
+        shape = tuple(feed["sample"].shape)
+        call = self.driver.begin(None, shape, timestep, layout=self.guidance, keeps_plans=self._keeps_plans,
+                                 random=random_destinations(True, shape[0]))
+        values = self.driver.inputs(call, self.specs, "cpu")
+        feed.update({spec.name: value.numpy() for spec, value in zip(self.specs, values, strict=True)
+                     if call.plans is not None or spec.draw not in ("plan_slot", "plan_weight", "reuse")})
+        device = sample.device if isinstance(sample, torch.Tensor) else torch.device("cpu")
+        result, extras = self._run(feed, device)
+        plans = (extras[0], extras[1]) if self._keeps_plans else None
+        self.driver.finish(call, result, plans, int(self.meta.get("channel_axis", 1)),
+                           self.meta.get("noise_channels"))
+        if isinstance(sample, np.ndarray):  # diffusers' ONNX pipelines: NumPy in, a list of arrays out
+            return [result.numpy()]
         return _Output(sample=result) if return_dict else (result,)

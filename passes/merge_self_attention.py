@@ -30,6 +30,7 @@ from torch import fx
 from tome_compile import merge as _merge
 from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeRewriteError
+from tome_compile.guidance import GuidanceLayout, random_destinations, resolve_guidance
 from tome_compile.inputs import ToMeInputSpec
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "ToMeResult",
     "ToMeSite",
     "merge_self_attention",
+    "nothing_rewritten",
 ]
 
 logger = logging.getLogger("tome_compile.passes")
@@ -107,6 +109,7 @@ class ToMeResult:
     method: str = "tome"
     outputs: list[ToMeInputSpec] = field(default_factory=list)
     plan_state: str | None = None
+    guidance: GuidanceLayout | None = None  # importance: the layout its plans and map assume
 
     @property
     def rewritten(self) -> list[ToMeSite]:
@@ -137,21 +140,25 @@ class _Mode:
     note: str  # appended to each rewritten row's reason
     in_graph_random: bool = False
     plan_state: str | None = None
+    guidance: GuidanceLayout | None = None  # importance: which rows of the batch are one image's
 
 
 def _choose_mode(config: ToMeConfig, method: str | None, oracle: bool, in_graph_fallback: bool,
                  batch: int | None, in_graph_random: bool = False, plan_state: str | None = None) -> _Mode:
     method = "oracle" if oracle else (method or config.method)
-    odd = batch is not None and batch % 2 == 1
     note = ""
-    if method == "importance" and (batch is None or odd):
-        method, note = "tome", f"; batch {batch} holds no CFG pair: ToMe plans"
+    layout = None
+    if method == "importance":
+        resolved = resolve_guidance(config.guidance, batch)
+        if isinstance(resolved, str):
+            method, note = "tome", f"; {resolved}: ToMe plans"
+        else:
+            layout = resolved
     use_rand = config.use_rand and method != "oracle"
-    if use_rand and method == "tome" and odd:
-        # tomesd: an odd batch cannot hold CFG pairs, so random partitions would differ between
-        # the cond and uncond calls; it falls back to fixed destinations.
+    if use_rand and method == "tome" and not random_destinations(True, batch):
         use_rand, note = False, note + f"; batch {batch} is odd: fixed destinations (as tomesd)"
-    tag = {"oracle": "; oracle", "importance": "; importance"}.get(method, "")
+    tag = {"oracle": "; oracle", "importance": f"; importance ({layout.name if layout else '?'} guidance)"
+           }.get(method, "")
     if use_rand and in_graph_random and plan_state != "reuse":
         tag += "; destinations hashed from (tome_seed, timestep) in the graph"
     if method == "oracle":
@@ -161,7 +168,7 @@ def _choose_mode(config: ToMeConfig, method: str | None, oracle: bool, in_graph_
             "either": f"; plan made or reused per call ({REUSE_INPUT})"}.get(plan_state or "", "")
     return _Mode(method=method, use_rand=use_rand,
                  in_graph_fallback=in_graph_fallback and method == "importance", note=note + tag,
-                 in_graph_random=use_rand and in_graph_random, plan_state=plan_state)
+                 in_graph_random=use_rand and in_graph_random, plan_state=plan_state, guidance=layout)
 
 
 def _add_input(graph: fx.Graph, spec: ToMeInputSpec) -> fx.Node:
@@ -194,7 +201,9 @@ def _rewrite_all(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig,
 
     if importance:
         assert latent is not None and batch is not None
-        add(ToMeInputSpec(IMPORTANCE_INPUT, (batch // 2, *latent), torch.float32, "importance"))
+        assert mode.guidance is not None
+        images = batch // mode.guidance.groups
+        add(ToMeInputSpec(IMPORTANCE_INPUT, (images, *latent), torch.float32, "importance"))
         if mode.in_graph_fallback:
             add(ToMeInputSpec(HAS_MAP_INPUT, (), torch.bool, "has_map"))
     drawn = tuple(c for i, c in enumerate(cells) if makers[i] == i)
@@ -208,7 +217,7 @@ def _rewrite_all(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig,
                        config.sx * config.sy, sum(pools) if importance else 0)
     else:
         if importance and mode.use_rand:
-            add(ToMeInputSpec(DST_KEY_INPUT, (batch // 2, sum(pools)), torch.float32, "dst_key"))
+            add(ToMeInputSpec(DST_KEY_INPUT, (images, sum(pools)), torch.float32, "dst_key"))
         if wants_partition:
             add(ToMeInputSpec(PARTITION_INPUT, (sum(a * b for a, b in drawn),), torch.int64, "partition",
                               cells=drawn, choices=config.sx * config.sy))
@@ -457,6 +466,28 @@ def _report(found: list[_sites.AttentionSite], decisions: list[BlockPlan | Skip]
     return rows
 
 
+def nothing_rewritten(result: ToMeResult, config: ToMeConfig) -> str | None:
+    """Why ToMe was asked for but rewrote no site (one line: the fix included), or None — when
+    something was rewritten, nothing was asked (``ratio=0``) or the graph has no self-attention."""
+    if result.modified or not config.enabled:
+        return None
+    candidates = [s for s in result.sites if s.kind != "cross-attention"]
+    downsamples = [s.downsample for s in candidates if s.downsample is not None]
+    by_blocks = [int(s.reason.split()[1]) for s in candidates
+                 if s.reason.startswith("block ") and " is not in blocks=" in s.reason]
+    if config.blocks is not None and by_blocks:
+        return (f"ToMe rewrote nothing: blocks={_ranges(config.blocks)} selects none of the blocks "
+                f"max_downsample={config.max_downsample} allows in this model ({_ranges(tuple(by_blocks))}, "
+                "in execution order)")
+    if downsamples and min(downsamples) > config.max_downsample:
+        return (f"ToMe rewrote nothing: this model's highest-resolution self-attention is "
+                f"downsampled {min(downsamples)}x, above max_downsample={config.max_downsample}; "
+                f"use max_downsample={min(downsamples)} (SDXL has no attention at full resolution)")
+    if candidates:
+        return "ToMe rewrote nothing: " + "; ".join(sorted({f"{s.path}: {s.reason}" for s in candidates}))
+    return None  # a graph without self-attention (e.g. a text encoder) is not a surprise
+
+
 def merge_self_attention(
     gm: fx.GraphModule,
     config: ToMeConfig,
@@ -524,4 +555,5 @@ def merge_self_attention(
         logger.debug("ToMe site %s", row.line())
     return ToMeResult(graph_module=gm, modified=bool(kept), sites=report, inputs=specs, latent_hw=latent,
                       batch=batch, outputs=outputs, plan_state=mode.plan_state if kept else None,
+                      guidance=mode.guidance if kept else None,
                       method=mode.method if kept else (method or config.method))

@@ -104,6 +104,29 @@ def tiny_video_inputs(kind: str, batch: int = 2, frames: int = 3, hw: tuple[int,
                     "added_time_ids": torch.tensor([[6.0, 127.0, 0.02]] * batch)}
 
 
+def tiny_vae() -> torch.nn.Module:
+    """A one-level VAE (scale factor 1: a 16 x 16 image is a 16 x 16 latent)."""
+    from diffusers import AutoencoderKL
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return AutoencoderKL(block_out_channels=(8,), down_block_types=("DownEncoderBlock2D",),
+                             up_block_types=("UpDecoderBlock2D",), latent_channels=4, norm_num_groups=8,
+                             sample_size=16).eval()
+
+
+def tiny_pipeline(cls: Any, unet: torch.nn.Module, scheduler: Any = None) -> Any:
+    """A diffusers image pipeline of class ``cls`` on ``unet`` that takes prompt embeddings (no
+    text encoder), with its progress bar off."""
+    from diffusers import DDIMScheduler
+
+    pipe = cls(vae=tiny_vae(), text_encoder=None, tokenizer=None, unet=unet,
+               scheduler=scheduler if scheduler is not None else DDIMScheduler(), safety_checker=None,
+               feature_extractor=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def tiny_unet(kind: str = "sd15", seed: int = 0) -> torch.nn.Module:
     return build_unet(dict(TINY[kind]), seed=seed)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import CountingCompiler, call, compiled, tiny_inputs, tiny_unet, tomesd_reference
 
-from tome_compile import ToMeWarning, tome_backend
+from tome_compile import ToMeWarning, generation, tome_backend
 
 
 @pytest.mark.parametrize("kind, options, sites", [
@@ -25,9 +25,10 @@ def test_equals_tomesd(kind, options, sites, use_rand):
     inputs = tiny_inputs(unet)
     model, backend = compiled(unet, ratio=0.5, use_rand=use_rand, seed=11, **options)
     ref = tomesd_reference(unet, seed=11 if use_rand else None, ratio=0.5, use_rand=use_rand, **options)
-    for _ in range(2):  # the partition sequence advances identically on both sides
-        out, expected = call(model, inputs), call(ref, inputs)
-        assert (out - expected).abs().max() < 1e-4
+    with generation():  # two calls of one generation: the partition sequence advances on both sides
+        for _ in range(2):
+            out, expected = call(model, inputs), call(ref, inputs)
+            assert (out - expected).abs().max() < 1e-4
     assert len(backend.reports) == 1 and len(backend.reports[0].rewritten) == sites
     assert (out - call(unet, inputs)).abs().max() > 1e-3  # ToMe did change something
 
@@ -48,13 +49,17 @@ def test_global_rng_untouched_and_seed_reproducible():
     model_c, _ = compiled(unet, seed=6)
     torch.manual_seed(123)
     state = torch.get_rng_state()
-    a = [call(model_a, inputs) for _ in range(2)]
+    with generation():
+        a = [call(model_a, inputs) for _ in range(2)]
     assert torch.equal(torch.get_rng_state(), state)
-    b = [call(model_b, inputs) for _ in range(2)]
+    with generation():
+        b = [call(model_b, inputs) for _ in range(2)]
     c = call(model_c, inputs)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    assert not torch.equal(a[0], a[1])  # a new partition per call, as tomesd
+    assert not torch.equal(a[0], a[1])  # a new partition per call of a generation, as tomesd
     assert not torch.equal(a[0], c)
+    # bare calls at the same timestep are 1-step generations: each starts the sequence again
+    assert torch.equal(call(model_a, inputs), a[0]) and torch.equal(call(model_a, inputs), a[0])
 
 
 def test_generator_argument():
@@ -135,7 +140,8 @@ def test_inductor_equals_tomesd_without_recompiles():
     from torch._dynamo.utils import counters
 
     counters.clear()
-    for _ in range(3):
+    for t in (999, 900, 800):  # bare calls of one generation (falling timesteps): one sequence, as tomesd
+        inputs.timestep = torch.tensor(t)
         assert (call(model, inputs) - call(ref, inputs)).abs().max() < 1e-4
     assert counters["stats"]["unique_graphs"] == 1
     assert len(backend.reports) == 1 and len(backend.reports[0].rewritten) == 3

@@ -10,7 +10,7 @@ from conftest import call, tiny_inputs, tiny_unet
 from importance_reference import reference_merge_unmerge
 
 from tome_compile import ToMeConfig, ToMeConfigError, tome_backend
-from tome_compile.importance import ImportanceState, importance_map
+from tome_compile.guidance import GUIDANCE, importance_map
 from tome_compile.merge import (
     fit_importance,
     importance_partition,
@@ -73,18 +73,24 @@ def test_fit_importance_area():
     assert fit_importance(imp, 2, 2).tolist() == [[[2.5, 4.5], [10.5, 12.5]]]
 
 
-def test_importance_map_and_state():
+def test_importance_map_and_driver_state():
+    from tome_compile.state import CallDriver
+
     eps = torch.randn(4, 3, 5, 5)
     assert torch.allclose(importance_map(eps), (eps[2:] - eps[:2]).abs().mean(1))
-    state = ImportanceState()
-    assert state.current((4, 3, 5, 5), torch.tensor(999)) is None  # first call: no map
-    state.update(eps)
-    assert state.current((4, 3, 5, 5), torch.tensor(980)) is not None  # next step uses it
-    assert state.current((4, 3, 5, 5), torch.tensor(999)) is None  # timestep went up: new generation
-    state.update(eps)
-    assert state.current((4, 3, 6, 6), torch.tensor(10)) is None  # new shape: new generation
-    state.update(eps[:3])  # odd batch: no CFG pair, no map
-    assert state.map is None
+    driver = CallDriver(seed=0)
+
+    def step(shape, t, out):
+        call = driver.begin(None, shape, torch.tensor(t), layout=GUIDANCE["cfg"], keeps_plans=False)
+        driver.finish(call, out, None)
+        return call
+
+    assert step((4, 3, 5, 5), 999, eps).map is None  # first call: no map
+    used = step((4, 3, 5, 5), 980, eps)  # next step uses it
+    assert used.kind == "importance" and torch.equal(used.map, importance_map(eps))
+    assert step((4, 3, 5, 5), 999, eps).map is None  # timestep went up: new generation
+    assert step((4, 3, 6, 6), 10, eps[:3]).map is None  # new shape: new generation
+    assert driver.state().map is None  # odd batch: no CFG pair, no map
 
 
 def test_invalid_importance_settings():
@@ -144,16 +150,11 @@ def test_compiled_steps_fallback_map_lag_and_reset():
 
 
 def test_pipeline_end_to_end_without_recompiles():
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline
+    from conftest import tiny_pipeline
+    from diffusers import StableDiffusionPipeline
     from torch._dynamo.utils import counters
 
-    unet = tiny_unet("sd15")
-    vae = AutoencoderKL(block_out_channels=(8,), down_block_types=("DownEncoderBlock2D",),
-                        up_block_types=("UpDecoderBlock2D",), latent_channels=4, norm_num_groups=8,
-                        sample_size=16)
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=None, tokenizer=None, unet=unet,
-                                   scheduler=DDIMScheduler(), safety_checker=None, feature_extractor=None,
-                                   requires_safety_checker=False)
+    pipe = tiny_pipeline(StableDiffusionPipeline, tiny_unet("sd15"))
     backend = tome_backend(0.5, compiler="eager", method="importance", seed=0)
     pipe.unet = torch.compile(pipe.unet, backend=backend, fullgraph=True)
     g = torch.Generator().manual_seed(0)

@@ -13,7 +13,7 @@ from test_importance import RecordingCompiler
 from video_reference import per_frame_tome
 
 from tome_compile import ToMeConfig, ToMeConfigError, tome_backend
-from tome_compile.importance import importance_map
+from tome_compile.guidance import importance_map
 
 SELECTED = re.compile(r"^transformer_blocks\.[12]$")
 

@@ -13,7 +13,7 @@ from conftest import CountingCompiler, call, tiny_inputs, tiny_unet, tomesd_refe
 from tome_compile.passes import find_unet_io
 
 from tome_compile import ToMeConfig, ToMeWarning, merge_self_attention, tome_backend
-from tome_compile.importance import importance_map
+from tome_compile.guidance import importance_map
 
 
 def run_steps(model, unet_inputs, timesteps, as_tensor):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import TINY_SD15, call, dynamo_graph, tiny_inputs, tiny_unet, tomesd_reference
 
-from tome_compile import ToMeConfig, merge_self_attention, tome_backend
+from tome_compile import ToMeConfig, generation, merge_self_attention, tome_backend
 from tome_compile.errors import ToMeConfigError, ToMeRewriteError
 from tome_compile.merge import importance_or_tome_plan, tome_plan
 from tome_compile.models import build_unet
@@ -230,18 +230,20 @@ def test_a_reused_plan_is_the_plan_of_its_planning_call(sd15):
     unet, inputs = sd15
     backend = tome_backend(0.5, compiler="eager", seed=0, plan_every=2)
     model = torch.compile(copy.deepcopy(unet), backend=backend, fullgraph=True)
-    first = call(model, inputs)
-    state = backend.importance
-    slots = state.plans[0].clone()
-    again = call(model, inputs)  # same inputs, reused plan: the same output, bit for bit
-    assert torch.equal(first, again) and torch.equal(state.plans[0], slots) and state.plan_age == 2
-    moved = copy.copy(inputs)
-    moved.sample = inputs.sample.flip(-1)
-    fresh = call(model, moved)  # plan_age reached 2: this call plans on the new latent
-    assert state.plans_made == 2 and not torch.equal(state.plans[0], slots)
+    with generation():  # one generation: a call at the same timestep again is its second call
+        first = call(model, inputs)
+        state = backend.call_state()
+        slots = state.plans[0].clone()
+        again = call(model, inputs)  # same inputs, reused plan: the same output, bit for bit
+        assert torch.equal(first, again) and torch.equal(state.plans[0], slots) and state.plan_age == 2
+        moved = copy.copy(inputs)
+        moved.sample = inputs.sample.flip(-1)
+        fresh = call(model, moved)  # plan_age reached 2: this call plans on the new latent
+        assert state.plans_made == 2 and not torch.equal(state.plans[0], slots)
     exact = torch.compile(copy.deepcopy(unet), backend=tome_backend(0.5, compiler="eager", seed=0), fullgraph=True)
-    call(exact, inputs)  # advance exact's sampler past its first draw (the second reused call drew none)
-    assert torch.equal(fresh, call(exact, moved))
+    with generation():
+        call(exact, inputs)  # advance exact's sampler past its first draw (the second reused call drew none)
+        assert torch.equal(fresh, call(exact, moved))
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])

@@ -12,7 +12,7 @@ from test_importance import RecordingCompiler
 from video_reference import per_frame_tome, tomesd_per_frame
 
 from tome_compile import tome_backend
-from tome_compile.importance import importance_map
+from tome_compile.guidance import importance_map
 
 KINDS = ["animatediff", "svd"]
 # the full-resolution spatial blocks of the tiny models (16 x 16 latent, 256 tokens per frame)
@@ -109,7 +109,7 @@ def test_importance_maps_per_frame_fallback_and_reset(kind):
         for f in range(frames):
             frame = eps[:, :, f] if channel_axis == 1 else eps[:, f]
             assert torch.allclose(used[f], (frame[1] - frame[0]).abs().mean(0))
-        assert torch.equal(used, importance_map(eps, channel_axis))
+        assert torch.equal(used, importance_map(eps, channel_axis=channel_axis))
     assert not torch.equal(outs[2], run(plain_tome, sample, kwargs))  # the importance plans differ
     kwargs["timestep"] = torch.tensor(999)  # a new generation: the ToMe fallback again
     run(model, sample, kwargs)

@@ -17,6 +17,8 @@ from tome_compile.errors import (
     ToMeRewriteError,
 )
 from tome_compile.passes import ToMeResult, ToMeSite, merge_self_attention
+from tome_compile.pipeline import apply
+from tome_compile.state import generation
 
 __all__ = [
     "ToMeBackend",
@@ -29,6 +31,8 @@ __all__ = [
     "ToMeRewriteError",
     "ToMeSite",
     "ToMeWarning",
+    "apply",
+    "generation",
     "merge_self_attention",
     "tome_backend",
 ]

@@ -20,14 +20,13 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils.weak import WeakIdKeyDictionary
 
 from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeConfigError
-from tome_compile.importance import StepState
-from tome_compile.inputs import draw_tome_inputs
+from tome_compile.guidance import GuidanceLayout, resolve_guidance
 from tome_compile.passes import ToMeResult, UNetIO, find_unet_io, merge_self_attention
-from tome_compile.sampler import PartitionSampler
+from tome_compile.passes.merge_self_attention import nothing_rewritten
+from tome_compile.state import CallDriver, CallState
 
 __all__ = ["ToMeBackend", "ToMeWarning", "tome", "tome_backend"]
 
@@ -102,20 +101,10 @@ def _fake_mode(example_inputs: Sequence[Any]) -> Any:
 
 def warn_if_nothing_rewritten(result: ToMeResult, config: ToMeConfig) -> None:
     """Say loudly when ToMe was asked for but no site qualified (e.g. SDXL at max_downsample=1)."""
-    if result.modified or not config.enabled:
-        return
-    candidates = [s for s in result.sites if s.kind != "cross-attention"]
-    downsamples = [s.downsample for s in candidates if s.downsample is not None]
-    if downsamples and min(downsamples) > config.max_downsample:
-        message = (f"ToMe rewrote nothing: this model's highest-resolution self-attention is "
-                   f"downsampled {min(downsamples)}x, above max_downsample={config.max_downsample}; "
-                   f"use max_downsample={min(downsamples)} (SDXL has no attention at full resolution)")
-    elif candidates:
-        message = "ToMe rewrote nothing: " + "; ".join(sorted({f"{s.path}: {s.reason}" for s in candidates}))
-    else:
-        return  # a graph without self-attention (e.g. a text encoder) is not a surprise
-    logger.warning("%s", message)
-    warnings.warn(message, ToMeWarning, stacklevel=3)
+    message = nothing_rewritten(result, config)
+    if message is not None:
+        logger.warning("%s", message)
+        warnings.warn(message, ToMeWarning, stacklevel=3)
 
 
 class ToMeBackend:
@@ -131,40 +120,39 @@ class ToMeBackend:
         self.config = config
         self.compiler = compiler
         _inner_compiler(compiler)  # reject a bad compiler now, not at the first call
-        self.sampler = PartitionSampler(config.seed, generator)
         self.reports: list[ToMeResult] = []
         self.oracle = oracle
-        # Importance state per compiled model (keyed by one of its parameters): one backend on
-        # two U-Nets must not hand one model's guidance map to the other.
-        self._states: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare by identity here
-        self._unkeyed = StepState()
-        self._last: StepState | None = None
+        # The call state (maps, plans, random draws) per caller and model: tome_compile.state
+        self.driver = CallDriver(seed=config.seed, generator=generator, plan_every=config.plan_every,
+                                 say=self.say_once)
         self._said: set[str] = set()
         self._baked_timesteps: set[float] = set()
 
     def __repr__(self) -> str:
         return f"ToMeBackend({self.config!r}, compiler={self.compiler!r})"
 
-    @property
-    def importance(self) -> StepState:
-        """The state (importance map, plans) of the model called last (each compiled model has its own)."""
-        return self._last if self._last is not None else self._unkeyed
+    def call_state(self, model: torch.nn.Module | None = None) -> CallState | None:
+        """The calling thread's (or ``generation()``'s) state of ``model`` — the module given to
+        ``torch.compile`` — or of the model it called last: its guidance map, plans, counters."""
+        if model is None:
+            return self.driver.state()
+        return next((s for p in model.parameters() if (s := self.driver.state(p)) is not None), None)
 
-    def importance_state(self, model: torch.nn.Module) -> StepState | None:
-        """The importance state of ``model`` (the module given to ``torch.compile``), if it ran."""
-        return next((self._states[p] for p in model.parameters() if p in self._states), None)
+    # The names this state had before it had an owner (kept for callers of 0.1).
+    def importance_state(self, model: torch.nn.Module) -> CallState | None:
+        """Old name of :meth:`call_state`."""
+        return self.call_state(model)
+
+    @property
+    def importance(self) -> CallState | None:
+        """Old name of ``call_state()``: the state of the model this caller called last."""
+        return self.call_state()
 
     def reset(self, seed: int | None = None) -> None:
-        """Start a new generation: forget every importance map and restart the random sequence
-        (from ``seed``, else the config's seed)."""
-        self.sampler.reseed(self.config.seed if seed is None else seed)
-        for state in [*self._states.values(), self._unkeyed]:
-            state.reset()
-
-    def _state_for(self, key: torch.Tensor | None) -> StepState:
-        state = self._unkeyed if key is None else self._states.setdefault(key, StepState())
-        self._last = state
-        return state
+        """Every caller's next call starts a new generation: no map, no plans, its random sequence
+        from ``seed`` (else the config's). ``torch._dynamo.reset()`` calls this too (Dynamo resets
+        every backend it cached), so never call that in the middle of a generation."""
+        self.driver.reset(seed)
 
     def say_once(self, message: str) -> None:
         if message not in self._said:
@@ -231,11 +219,13 @@ class ToMeBackend:
             if result_imp.method != "importance":
                 sample = example_inputs[io.sample_index]
                 samples = sample.shape[0] if isinstance(sample, torch.Tensor) else result_imp.batch
-                self.say_once(f"ToMe: importance merging needs CFG batches [uncond; cond]; a batch of "
-                              f"{samples} holds no pair, so its calls use ToMe plans")
+                why = resolve_guidance(self.config.guidance, samples)
+                self.say_once(f"ToMe: importance merging cannot pair the rows of this batch ({why}); its "
+                              "calls use ToMe plans")
             else:
                 self.reports.append(result_imp)
                 runner.graphs["importance"] = (compiled_imp, result_imp)
+                runner.layout = result_imp.guidance
         if keep and result.outputs:
             result_reuse, compiled_reuse = self._rewrite_and_compile(gm, example_inputs, compile_fn, "tome",
                                                                      "reuse")
@@ -248,40 +238,40 @@ class _Runner:
     """The compiled U-Net graph(s), called with this call's ToMe inputs appended.
 
     ``graphs`` maps a kind of call to its compiled graph and rewrite report: ``"tome"`` always;
-    ``"importance"`` (importance merging) when the model's state has a map from the previous
-    call, else the ToMe graph (first step, new generation) runs, and this call's output fills
-    the map; ``"reuse"`` (``plan_every`` > 1) when the state holds plans young enough — the other
-    graphs then return their plans as two more outputs, which the runner keeps and strips.
+    ``"importance"`` (importance merging) for a call whose caller has a map from its previous
+    call, else the ToMe graph runs (first step, new generation) and this call's output makes the
+    map; ``"reuse"`` (``plan_every`` > 1) when the caller holds plans young enough — the other
+    graphs then return their plans as two more outputs, which the runner keeps and strips. What
+    to run and feed, and what to keep, is :class:`~tome_compile.state.CallDriver`'s (the same
+    driver runs ``ToMeSession``).
     """
 
     def __init__(self, backend: ToMeBackend, io: UNetIO, device: torch.device,
                  graphs: dict[str, tuple[Callable[..., Any], ToMeResult]]) -> None:
-        self.backend, self.io, self.device = backend, io, device
+        self.driver, self.io, self.device = backend.driver, io, device
         self.graphs = graphs
+        self.layout: GuidanceLayout | None = None
         self._param_index: int | None = -1  # the first parameter argument: the model's identity
 
-    def _state(self, args: Sequence[Any]) -> StepState:
+    def _model_key(self, args: Sequence[Any]) -> torch.Tensor | None:
         if self._param_index == -1:
             self._param_index = next((i for i, a in enumerate(args) if isinstance(a, torch.nn.Parameter)),
                                      None)
-        return self.backend._state_for(args[self._param_index] if self._param_index is not None else None)
+        return args[self._param_index] if self._param_index is not None else None
 
     def __call__(self, *args: Any) -> Any:
-        importance, reuse = "importance" in self.graphs, "reuse" in self.graphs
-        state = self._state(args) if importance or reuse else None
-        current = (state.current(tuple(args[self.io.sample_index].shape), self.io.timestep(args))
-                   if state is not None else None)
-        kind = "importance" if importance and current is not None else "tome"
-        plans = state.plans_to_reuse(kind, self.backend.config.plan_every) if reuse and state else None
-        fn, result = self.graphs["reuse" if plans is not None else kind]
-        out = fn(*args, *draw_tome_inputs(result.inputs, self.backend.sampler, current, self.device, plans))
-        if result.outputs:  # this call planned: keep its plans (copied: cudagraphs reuse output memory)
+        call = self.driver.begin(self._model_key(args), args[self.io.sample_index].shape, self.io.timestep(args),
+                                 layout=self.layout, keeps_plans="reuse" in self.graphs)
+        fn, result = self.graphs[call.graph]
+        out = fn(*args, *self.driver.inputs(call, result.inputs, self.device))
+        plans = None
+        if result.outputs:  # this call planned: its plans (copied: cudagraphs reuse output memory)
             n = len(out) - len(result.outputs)
-            state.keep_plans(kind, (out[n].clone(), out[n + 1].clone()))
+            plans = (out[n].clone(), out[n + 1].clone())
             out = out[:n]
-        if importance:
-            outputs = out if isinstance(out, (list, tuple)) else [out]
-            state.update(outputs[self.io.output_index], self.io.channel_axis, self.io.noise_channels)
+        outputs = out if isinstance(out, (list, tuple)) else [out]
+        self.driver.finish(call, outputs[self.io.output_index], plans, self.io.channel_axis,
+                           self.io.noise_channels)
         return out
 
 

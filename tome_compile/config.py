@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from tome_compile.errors import ToMeConfigError
+from tome_compile.guidance import GUIDANCE
 
 __all__ = ["METHODS", "ToMeConfig", "parse_blocks"]
 
@@ -51,6 +54,11 @@ class ToMeConfig:
             blocks all share one token grid so ``max_downsample`` selects all of them (PixArt-α:
             block k is ``transformer_blocks.k``; the released importance code merges 7-20 there).
             ``None`` (default): every block ``max_downsample`` allows.
+        guidance: which rows of a batch belong to one image, for importance merging's map and
+            plans: ``"cfg"`` ``[uncond; cond]``, ``"pix2pix"`` ``[text; image; uncond]``, ``"pag"``
+            ``[uncond; cond; perturbed]``, ``"none"``; ``"auto"`` (default) reads ``"cfg"`` from an
+            even batch and refuses one it cannot tell (a multiple of 6): ToMe plans there.
+            :func:`tome_compile.apply` sets it from the pipeline.
     """
 
     ratio: float = 0.5
@@ -68,10 +76,20 @@ class ToMeConfig:
     share_plan: bool = False
     plan_every: int = 1
     blocks: tuple[int, ...] | None = None
+    guidance: str = "auto"
 
     def __post_init__(self) -> None:
-        if isinstance(self.blocks, (range, list)):  # blocks=range(7, 21): kept as a tuple (hashable, JSON)
-            object.__setattr__(self, "blocks", tuple(self.blocks))
+        if isinstance(self.blocks, (range, list)) or hasattr(self.blocks, "tolist"):  # range(7, 21), arrays:
+            blocks = self.blocks.tolist() if hasattr(self.blocks, "tolist") else self.blocks  # a tuple
+            object.__setattr__(self, "blocks", tuple(blocks))  # (hashable, JSON)
+        for f in dataclasses.fields(self):  # NumPy numbers (np.float32(0.5), np.int64(2)) as Python's
+            value = getattr(self, f.name)
+            if type(value).__module__ == "numpy":
+                python = value.item() if hasattr(value, "item") and getattr(value, "ndim", 1) == 0 else value
+                object.__setattr__(self, f.name, python)
+            elif f.name == "blocks" and isinstance(value, tuple):
+                object.__setattr__(self, f.name, tuple(v.item() if type(v).__module__ == "numpy" else v
+                                                       for v in value))
         for reason in self.problems():
             raise ToMeConfigError(reason)
 
@@ -99,7 +117,7 @@ class ToMeConfig:
                 "use 1 (highest-resolution blocks only) or 2 (SDXL)"
             )
         limit = 1.0 - 1.0 / (self.sx * self.sy)
-        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
+        if not _real(self.ratio):
             out.append(f"ratio={self.ratio!r} must be a number in [0, {limit:g}]")
         elif not (0.0 <= self.ratio <= limit):
             out.append(
@@ -111,11 +129,16 @@ class ToMeConfig:
             out.append(f"blocks={self.blocks!r} must be None or block indices >= 0 (e.g. range(7, 21))")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             out.append(f"seed={self.seed!r} must be an int or None")
+        elif self.seed is not None and not 0 <= self.seed < 2 ** 63:
+            out.append(f"seed={self.seed} is outside [0, 2**63 - 1]; use a smaller seed (e.g. seed % 2**63)")
+        if self.guidance not in GUIDANCE:
+            out.append(f"guidance={self.guidance!r} is unknown; use one of {tuple(GUIDANCE)}")
         if self.method not in METHODS:
             out.append(f"method={self.method!r} is unknown; use one of {METHODS}")
-        if not (isinstance(self.pool_factor, (int, float)) and self.pool_factor >= 1.0):
-            out.append(f"pool_factor={self.pool_factor!r} must be a number >= 1 (default 1.4)")
-        if not (isinstance(self.dst_fraction, (int, float)) and 0.0 < self.dst_fraction < 1.0):
+        if not (_real(self.pool_factor) and 1.0 <= self.pool_factor <= 64.0):
+            out.append(f"pool_factor={self.pool_factor!r} must be a finite number in [1, 64] (default 1.4; "
+                       "the pool never holds more than every token anyway)")
+        if not (_real(self.dst_fraction) and 0.0 < self.dst_fraction < 1.0):
             out.append(f"dst_fraction={self.dst_fraction!r} must be in (0, 1) (default 0.25)")
         if (
             not out
@@ -154,6 +177,11 @@ class ToMeConfig:
         if ratio is not None:
             options["ratio"] = ratio
         return cls(**options)
+
+
+def _real(value: Any) -> bool:
+    """A finite real number (not a bool)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def parse_blocks(text: str) -> tuple[int, ...]:

@@ -71,14 +71,16 @@ class ToMeInputSpec:
 
 def draw_tome_inputs(specs: Sequence[ToMeInputSpec], sampler: PartitionSampler,
                      importance: torch.Tensor | None, device: torch.device | str,
-                     plans: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
+                     plans: tuple[torch.Tensor, torch.Tensor] | None = None, *, random: bool = True
+                     ) -> list[torch.Tensor]:
     """Values for ``specs`` (in order) for one U-Net call.
 
     Without a map (``importance=None``: ToMe, or importance's fallback step) the partition is
     drawn, in tomesd's order; with a map the destination keys are drawn instead. ``plans`` (the
     packed plans of an earlier call, ``plan_every``) means this call reuses them: nothing is
-    drawn. Only what the call uses is drawn, so the backend and ``ToMeSession`` advance their
-    generators identically.
+    drawn. ``random=False`` (tomesd's rule for an odd batch) feeds the fixed destinations (every
+    cell's first token) to a graph that takes a partition. Only what the call uses is drawn, so the
+    backend and ``ToMeSession`` advance their generators identically.
     """
     device = torch.device(device)
     values = []
@@ -90,8 +92,8 @@ def draw_tome_inputs(specs: Sequence[ToMeInputSpec], sampler: PartitionSampler,
         elif spec.draw == "reuse":
             value = torch.tensor(reuse, device=device)
         elif spec.draw == "partition":
-            value = (sampler.draw(list(spec.cells), spec.choices, device) if importance is None and not reuse
-                     else spec.zeros(device))
+            value = (sampler.draw(list(spec.cells), spec.choices, device)
+                     if importance is None and not reuse and random else spec.zeros(device))
         elif spec.draw == "importance":
             value = spec.zeros(device) if importance is None else importance.to(device, torch.float32)
         elif spec.draw == "has_map":

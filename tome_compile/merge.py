@@ -228,14 +228,14 @@ def importance_plan(
 
     Args:
         metric: ``[B, N, C]`` block input.
-        importance: ``[P, h, w]`` importance per token for each of the ``P`` CFG pairs of the
-            batch (``B = 2P``, halves ``[uncond; cond]``), already fitted to the block grid.
-            Only ranks matter.
+        importance: ``[P, h, w]`` importance per token for each of the ``P`` images of the batch
+            (``B = G * P``: ``G`` guidance chunks, image ``i`` in rows ``i, P + i, ...``; see
+            :mod:`tome_compile.guidance`), already fitted to the block grid. Only ranks matter.
         dst_key: ``[P, M]`` random keys in ``[0, 1)``; each pair's destinations are the pool
             members with the ``int(N * dst_fraction)`` smallest keys (a uniform random subset).
             ``None`` takes the most important members of the pool (deterministic).
     Returns:
-        the plan ``(slot [B, N], weight [B, N - r, 1])``; both halves of a pair share it.
+        the plan ``(slot [B, N], weight [B, N - r, 1])``; the rows of an image share its partition.
 
     Method: pool = top ``M = min(int((N - r) * pool_factor), N)`` tokens by importance;
     destinations are drawn from the pool; every other token is a source and takes its most
@@ -248,11 +248,13 @@ def importance_plan(
                                                              dst_fraction)
         ns = src_idx.shape[1]
         r = min(r, ns)
-        # The pair shares its partition; each image matches on its own metric (official code).
-        dst_b = dst_idx.repeat(2, 1)
-        src_b = src_idx.repeat(2, 1)
+        # Every row of an image (both halves of a CFG pair, the three chunks of a three-way
+        # guidance batch) shares its partition; each row matches on its own metric (official code).
+        groups = b // importance.shape[0]
+        dst_b = dst_idx.repeat(groups, 1)
+        src_b = src_idx.repeat(groups, 1)
         score, best = _cosine_matches(metric, src_b, dst_b)
-        unimportant = unimportant.repeat(2, 1)  # [B, Ns]
+        unimportant = unimportant.repeat(groups, 1)  # [B, Ns]
         # Unimportant sources rank first (+2 > any cosine), then important ones by similarity.
         key = score + 2.0 * unimportant.to(score.dtype)
         edge_order = tie_free_order(key)
@@ -318,9 +320,17 @@ def unpack_plan(slots: torch.Tensor, weights: torch.Tensor, like: torch.Tensor, 
     """One block's plan ``(slot [B, n], weight [B, kept, 1])`` out of :func:`pack_plans`' tensors
     (``slot_total``, ``weight_total``: their row lengths); ``B`` is ``like``'s batch, weights in
     ``like``'s dtype."""
+    # The fed plans must have ``like``'s batch, checked in every backend: a Concat with a [B, 1]
+    # column refuses rows of another batch, and the column's Add with the rows' first column
+    # refuses empty plans (ONNX Runtime's Concat skips an empty input; a Reshape(-1) / Slice /
+    # Gather alone would broadcast a batch-1 plan to the batch or clamp silently).
     b = like.shape[0]
-    slot = slots.reshape(b, slot_total).narrow(1, slot_offset, n)
-    weight = weights.reshape(b, weight_total).narrow(1, weight_offset, kept).unsqueeze(-1).to(like.dtype)
+    zero = like[:, :1, 0].to(torch.int64) * 0  # [B, 1]
+    rows = slots.reshape(b, slot_total)
+    slot = torch.cat([rows, zero + rows[:, :1] * 0], dim=1).narrow(1, slot_offset, n)
+    rows_w = weights.reshape(b, weight_total)
+    weight = torch.cat([rows_w, zero.to(weights.dtype) + rows_w[:, :1] * 0], dim=1)
+    weight = weight.narrow(1, weight_offset, kept).unsqueeze(-1).to(like.dtype)
     return slot, weight
 
 
