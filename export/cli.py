@@ -183,7 +183,7 @@ def _run(args: argparse.Namespace) -> int:
     steps = ["load", "trace", "rewrite", "convert", "inventory", "parity"] + (["optimize"] if args.optimize else []) + ["write"]
     with tqdm(total=len(steps), desc="tome-export", unit="step", file=sys.stderr) as bar:
         bar.set_postfix_str("loading the U-Net")
-        unet, description = load_unet(args.model)
+        unet, description = load_unet(args.model, dtype=torch.float16 if args.fp16 else torch.float32)
         print(f"model: {description}", flush=True)
         bar.update(1)
 

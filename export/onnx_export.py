@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import gc
 import io
 import json
@@ -169,6 +170,34 @@ def _drop_noop_squeezes(gm: fx.GraphModule) -> int:
     if dropped:
         gm.recompile()
     return dropped
+
+
+def _promote_mixed_concats(gm: fx.GraphModule) -> int:
+    """``torch.cat`` promotes mixed dtypes (SDXL in fp16: ``cat([text_embeds (fp16), time_embeds
+    (fp32, the sinusoidal projection)])``) but the exporter writes an ONNX ``Concat`` of the mixed
+    inputs, which ``onnx.checker`` refuses ("inputs has inconsistent type"). Each input of another
+    dtype gets a cast to the promoted one, as torch computes it. Returns how many casts."""
+    casts = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (torch.ops.aten.cat.default, torch.ops.aten.concat.default):
+            continue
+        values = [t.meta.get("val") if isinstance(t, fx.Node) else None for t in node.args[0]]
+        dtypes = {v.dtype for v in values if isinstance(v, torch.Tensor)}
+        if len(dtypes) < 2 or len(values) != len(node.args[0]):
+            continue
+        promoted = functools.reduce(torch.promote_types, dtypes)
+        inputs = []
+        for tensor, value in zip(node.args[0], values, strict=True):
+            if isinstance(value, torch.Tensor) and value.dtype != promoted:
+                with gm.graph.inserting_before(node):
+                    cast = gm.graph.call_function(torch.ops.aten._to_copy.default, (tensor,), {"dtype": promoted})
+                cast.meta = {**tensor.meta, "val": value.to(promoted)}
+                tensor, casts = cast, casts + 1
+            inputs.append(tensor)
+        node.args = (inputs, *node.args[1:])
+    if casts:
+        gm.recompile()
+    return casts
 
 
 def _assert_no_scatter_mean(gm: fx.GraphModule) -> None:
@@ -372,6 +401,7 @@ def export_onnx(
     start = time.perf_counter()
     gm = _trace(unet, args, sdxl, inputs, dynamic)
     _drop_noop_squeezes(gm)
+    _promote_mixed_concats(gm)
     times["trace"] = time.perf_counter() - start
     unet_io = find_unet_io(gm)  # the noise output's channel axis and noise channels: the importance map reads them
 

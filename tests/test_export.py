@@ -215,12 +215,34 @@ def test_no_rand_export_equals_tomesd_at_any_batch(tmp_path, unet):
         assert got.shape[0] == batch and (got - call(ref, inputs)).abs().max() < 1e-4
 
 
-def test_sdxl_export(tmp_path):
+def test_sdxl_fp16_export_into_an_optimum_folder_optimized(tmp_path, capsys):
+    """Issue #20: the README's SDXL command (fp16, --optimize cpu) failed in onnx.checker: the exporter
+    wrote a Concat of fp16 text_embeds and the fp32 time projection. Through --into an SDXL Optimum
+    folder, with SDXL's text_embeds / time_ids inputs as Optimum names them."""
     unet = tiny_unet("sdxl")
-    result = export_onnx(unet, tmp_path / "xl.onnx", ToMeConfig(ratio=0.5, max_downsample=2, use_rand=False),
-                         height=HW, width=HW, seq_len=7, atol=1e-4)
-    assert result.input_names == ["sample", "timestep", "encoder_hidden_states", "text_embeds", "time_ids"]
-    assert len(result.report.rewritten) == 6
+    weights = tmp_path / "sdxl_unet"
+    unet.save_pretrained(weights)
+    folder = _optimum_folder(tmp_path, "ORTStableDiffusionXLPipeline")
+    code = main(["--into", str(folder), "--model", str(weights), "--height", str(HW), "--width", str(HW),
+                 "--seq-len", "7", "--max-downsample", "2", "--fp16", "--optimize", "cpu", "--no-rand"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "rewrote 6 of" in printed and "ONNX Runtime optimizer (cpu)" in printed and "MultiHeadAttention 28" in printed
+    session = ToMeSession(folder / "unet" / "model.onnx", seed=0)
+    assert list(session.inputs)[:5] == ["sample", "timestep", "encoder_hidden_states", "text_embeds", "time_ids"]
+    assert session.dtype == torch.float16 and session.meta["dtype"] == "float16"
+    inputs = tiny_inputs(unet)
+    half = copy.copy(inputs)
+    for name in ("sample", "encoder_hidden_states", "text_embeds", "time_ids"):
+        setattr(half, name, getattr(inputs, name).half())
+    added = {"text_embeds": half.text_embeds, "time_ids": half.time_ids}
+    got = session(half.sample, torch.tensor(999), half.encoder_hidden_states, added_cond_kwargs=added).sample
+    backend = tome_backend(0.5, compiler="eager", max_downsample=2, use_rand=False)  # --no-rand
+    expected = call(torch.compile(copy.deepcopy(unet).half(), fullgraph=True, backend=backend), half)
+    assert got.dtype == torch.float16 and (got.float() - expected.float()).abs().max() < 2e-2
+    with pytest.raises(ToMeExportError, match=r"needs added_cond_kwargs\['time_ids'\]"):
+        session(inputs.sample.half(), torch.tensor(999), inputs.encoder_hidden_states.half(),
+                added_cond_kwargs={"text_embeds": added["text_embeds"]})
 
 
 def test_inventory_catches_planted_scatter_mean(tmp_path):
@@ -320,12 +342,12 @@ def test_into_replaces_the_unet_of_an_optimum_folder(tmp_path, sd15_folder, caps
     assert out.shape == feed["sample"].shape
 
 
-def _optimum_folder(tmp_path):
+def _optimum_folder(tmp_path, pipeline="ORTStableDiffusionPipeline"):
     """A folder laid out like `optimum-cli export onnx` writes: model_index.json, unet/model.onnx
     with its weights in unet/model.onnx_data, unet/config.json."""
     folder = tmp_path / "sd-onnx"
     (folder / "unet").mkdir(parents=True)
-    (folder / "model_index.json").write_text('{"_class_name": "ORTStableDiffusionPipeline"}')
+    (folder / "model_index.json").write_text(f'{{"_class_name": "{pipeline}"}}')
     (folder / "unet" / "config.json").write_text('{"in_channels": 4, "cross_attention_dim": 32}')
     x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4])
     y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4])
