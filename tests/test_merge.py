@@ -85,3 +85,25 @@ def test_oracle_shapes():
     y = oracle_merge(x, 4)
     assert y.shape == (2, 6, 3)
     assert oracle_unmerge(y, 4).shape == x.shape
+
+
+def test_matching_in_blocks_never_holds_the_whole_score_matrix():
+    """Issue #20: the similarity is computed in blocks of sources no larger than the sources'
+    features, with the same best destination per source as the whole matrix."""
+    from tome_compile.merge import best_matches, match_rows, row_max
+
+    assert match_rows(12288, 4096, 320) == 960  # SD 1.5 at 1024²: 13 blocks of <= 960 x 4096 scores
+    assert match_rows(3072, 1024, 640) == 1920  # SDXL at 1024², max_downsample=2
+    assert match_rows(100, 10, 64) == 100  # scores no larger than the features: one block
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 300, 8, generator=g), torch.randn(2, 100, 8, generator=g)
+    score, index = best_matches(a, b)  # 300 * 8 // 100 = 24 sources per block: 13 blocks
+    full_score, full_index = row_max(a @ b.transpose(-1, -2))
+    assert torch.equal(index, full_index) and torch.allclose(score, full_score, atol=1e-6)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def products(*args):
+        return sum("bmm" in str(n.target) for n in make_fx(best_matches)(*args).graph.nodes)
+
+    assert products(a, b) == 13  # the traced graph holds 13 products of [<= 24, 100] scores
+    assert products(a[:, :10], b[:, :5]) == 1  # negative: scores no larger than the features: one product
