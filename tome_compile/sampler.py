@@ -54,8 +54,11 @@ class PartitionSampler:
         return out.to(device, non_blocking=True)
 
     def draw_keys(self, pairs: int, total: int, device: torch.device) -> torch.Tensor:
-        """``[pairs, total]`` uniform keys of importance merging's destination draw (one row per
-        CFG pair). The backend and ``ToMeSession`` both draw through here, in the same order, so
-        the compiled and ONNX paths see the same numbers."""
+        """``[pairs, total]`` uniform keys of importance merging's destination draw: one draw, the
+        same keys for every image of the batch (each applies them to its own pool), so an image's
+        destinations do not depend on its position in the batch or on the batch size — what lets
+        a server batch requests without changing a picture. The backend and ``ToMeSession`` both
+        draw through here, in the same order, so the compiled and ONNX paths see the same numbers."""
         g = self.generator(device)
-        return torch.rand(pairs, total, generator=g, device=g.device).to(device, non_blocking=True)
+        keys = torch.rand(1, total, generator=g, device=g.device).expand(pairs, total)
+        return keys.to(device, non_blocking=True)

@@ -37,17 +37,20 @@ EPILOG = """examples:
 
 @dataclass
 class Target:
-    """What the demo generates with: a U-Net to compile and a sampler that takes any U-Net callable."""
+    """What the demo (and a ``tome-serve`` replica) generates with: a U-Net to compile and a sampler
+    that takes any U-Net callable: ``sample(unet, prompts, seeds, steps, guidance, size=None)``."""
 
     name: str
     unet: torch.nn.Module
-    sample: Callable[[Any, list[str], list[int], int, float], torch.Tensor]  # -> [N, 3, H, W] in [0, 1]
+    sample: Callable[..., torch.Tensor]  # -> [N, 3, H, W] in [0, 1]
     shapes_prompts: bool  # prompts are "<colour> <shape>" and the probe can score the pictures
+    size: int = 32  # the picture size it makes by default (its sampler's size=None)
 
 
-def load_target(model: str | None, size: int | None = None) -> Target:
+def load_target(model: str | None, size: int | None = None, device: str = "cpu") -> Target:
     """The shipped shapes model, a shapes-model folder, a diffusers pipeline folder
-    (``model_index.json``) or a diffusers U-Net folder with the shapes model's interface."""
+    (``model_index.json``) or a diffusers U-Net folder with the shapes model's interface, on
+    ``device``."""
     from tome_compile.shapes.model import SHIPPED_WEIGHTS, load_model
     from tome_compile.shapes.sample import generate
 
@@ -56,7 +59,7 @@ def load_target(model: str | None, size: int | None = None) -> Target:
         raise ToMeModelError(f"--model {str(folder)!r} does not exist; give a shapes-model folder, a diffusers "
                              "pipeline folder (with model_index.json) or a U-Net folder (config.json)")
     if (folder / "model_index.json").is_file():
-        return _pipeline_target(folder, size)
+        return _pipeline_target(folder, size, device)
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     if config.get("_class_name") == "UNet2DConditionModel":
@@ -72,11 +75,14 @@ def load_target(model: str | None, size: int | None = None) -> Target:
         shapes.unet = UNet2DConditionModel.from_pretrained(folder, local_files_only=True).eval()
     else:
         shapes = load_model(folder)
-    return Target(str(folder) if model else "shipped shapes model", shapes.unet, lambda unet, p, s, n, g: generate(
-        shapes, p, s, steps=n, guidance=g, unet=unet), True)
+    def sample(unet: Any, prompts: list[str], seeds: list[int], steps: int, guidance: float,
+               size: int | None = None) -> torch.Tensor:
+        return generate(shapes, prompts, seeds, steps=steps, guidance=guidance, unet=unet, size=size or 32)
+
+    return Target(str(folder) if model else "shipped shapes model", shapes.unet, sample, True)
 
 
-def _pipeline_target(folder: Path, size: int | None) -> Target:
+def _pipeline_target(folder: Path, size: int | None, device: str = "cpu") -> Target:
     from diffusers import DiffusionPipeline
 
     try:
@@ -87,19 +93,23 @@ def _pipeline_target(folder: Path, size: int | None) -> Target:
     if not hasattr(pipe, "unet"):
         raise ToMeModelError(f"pipeline {type(pipe).__name__} in {str(folder)!r} has no .unet to merge tokens in")
     pipe.set_progress_bar_config(disable=True)
+    pipe.to(device)
     original = pipe.unet
 
     @torch.no_grad()
-    def sample(unet: Any, prompts: list[str], seeds: list[int], steps: int, guidance: float) -> torch.Tensor:
+    def sample(unet: Any, prompts: list[str], seeds: list[int], steps: int, guidance: float,
+               size: int | None = None) -> torch.Tensor:
         pipe.unet = unet
         try:
-            out = pipe(prompt=prompts, num_inference_steps=steps, guidance_scale=guidance, height=size, width=size,
+            side = size or default
+            out = pipe(prompt=prompts, num_inference_steps=steps, guidance_scale=guidance, height=side, width=side,
                        generator=[torch.Generator().manual_seed(s) for s in seeds], output_type="pt")
         finally:
             pipe.unet = original
         return out.images.float().clamp(0, 1)
 
-    return Target(str(folder), original, sample, False)
+    default = size or int(original.config.sample_size) * int(getattr(pipe, "vae_scale_factor", 8))
+    return Target(str(folder), original, sample, False, size=default)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,8 +27,10 @@ DEFAULT_GUIDANCE = 2.5
 
 @torch.no_grad()
 def generate(model: ShapesModel, prompts: list[str], seeds: list[int], *, steps: int = DEFAULT_STEPS,
-             guidance: float = DEFAULT_GUIDANCE, unet: Callable[..., Any] | None = None) -> torch.Tensor:
-    """``[N, 3, 32, 32]`` images in ``[0, 1]``; the batch is ``[uncond x N; cond x N]`` per step."""
+             guidance: float = DEFAULT_GUIDANCE, unet: Callable[..., Any] | None = None,
+             size: int = 32) -> torch.Tensor:
+    """``[N, 3, size, size]`` images in ``[0, 1]`` (the model was trained at 32); the batch is
+    ``[uncond x N; cond x N]`` per step."""
     from diffusers import DDIMScheduler
 
     if len(prompts) != len(seeds):
@@ -38,7 +40,9 @@ def generate(model: ShapesModel, prompts: list[str], seeds: list[int], *, steps:
                               clip_sample=True)
     scheduler.set_timesteps(steps)
     n = len(prompts)
-    x = torch.cat([torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(s)) for s in seeds])
+    device = model.text.position.device  # the noise is drawn on the CPU from each seed, then moved there
+    x = torch.cat([torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(s)) for s in seeds])
+    x = x.to(device)
     cond = model.text.encode(prompts)
     uncond = model.text.encode([""] * n)
     ehs = torch.cat([uncond, cond])
@@ -47,7 +51,7 @@ def generate(model: ShapesModel, prompts: list[str], seeds: list[int], *, steps:
         eps_uncond, eps_cond = eps.chunk(2)
         eps = eps_uncond + guidance * (eps_cond - eps_uncond)
         x = scheduler.step(eps, t, x).prev_sample
-    return ((x.clamp(-1, 1) + 1) / 2).float()
+    return ((x.clamp(-1, 1) + 1) / 2).float().cpu()
 
 
 def compile_unet(unet: torch.nn.Module, method: str, ratio: float, compiler: str, backend: Any = None) -> Any:

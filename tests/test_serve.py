@@ -1,0 +1,223 @@
+"""Issue #21: ``tome-serve`` on a real local Ray Serve (2 CPUs, no dashboard, loopback only),
+started as a user starts it and stopped with SIGTERM at the end; plus the pure parts (request
+checks, the application builder, the Serve config file) without a cluster."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")  # the test extra installs ray[serve]; skip cleanly elsewhere
+
+from tome_compile.serve.bench import free_port, post, wait_healthy  # noqa: E402
+from tome_compile.serve.engine import Engine, ServeSpec  # noqa: E402
+from tome_compile.serve.request import Limits, RequestError, parse_job  # noqa: E402
+
+STEPS = 3
+BATCH = 3  # --max-batch-size of the test server: every loop runs 3 images (padded)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def ray_processes() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if any(k in line for k in ("raylet", "gcs_server", "ray::"))
+            and "ps -eo" not in line]
+
+
+def png_pixels(data: bytes) -> torch.Tensor:
+    import numpy as np
+    from PIL import Image
+
+    return torch.from_numpy(np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))).reshape(-1, 3)
+
+
+@pytest.fixture(scope="module")
+def server():
+    """``tome-serve`` in a subprocess: eager inner compiler, a local Ray of 2 CPUs."""
+    assert not ray_processes(), "a Ray instance is already running on this machine"
+    port = free_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"tome-serve-test-{port}.log", "w+")  # noqa: SIM115
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tome_compile.serve.cli", "--compiler", "eager", "--num-cpus", "2", "--port", str(port),
+         "--max-batch-size", str(BATCH), "--batch-wait-ms", "500", "--max-queued", "4", "--request-timeout-s", "120"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, 300)
+    except TimeoutError:
+        process.kill()
+        log.seek(0)
+        pytest.fail("tome-serve did not come up:\n" + log.read()[-4000:])
+    yield base, process, log
+    if process.poll() is None:  # the shutdown test normally stopped it already
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(90)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(30)
+    if ray_processes():  # a failed test left processes behind: stop them for the next run
+        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True)
+
+
+def generate(base, **body):
+    return post(base + "/generate", {"prompt": "red circle", "steps": STEPS, **body})
+
+
+def test_replicas_come_up_and_a_picture_is_served(server):
+    base, _, _ = server
+    health = wait_healthy(base, 10)
+    assert health["status"] == "ok" and health["ratios"] == [0.0, 0.5] and health["batch_size"] == BATCH
+    status, data, headers = generate(base, seed=7)
+    assert status == 200 and headers["content-type"] == "image/png"
+    assert png_pixels(data).shape == (32 * 32, 3) and headers["x-seed"] == "7"
+    assert float(headers["x-compute-ms"]) > 0 and headers["x-ratio"] == "0.5"
+
+
+def test_a_burst_is_batched_and_every_picture_is_its_requests_own(server):
+    base, _, _ = server
+    alone = {seed: generate(base, seed=seed)[1] for seed in (11, 12)}  # one after the other: batches of 1
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # 4 at once: a batch of 3 and one more
+        burst = list(pool.map(lambda s: generate(base, seed=s), [11, 12, 13, 14]))
+    assert [status for status, _, _ in burst] == [200] * 4, [data[:200] for _, data, _ in burst]
+    assert max(int(h["x-batch-size"]) for _, _, h in burst) >= 2  # Serve batched them
+    for (_, data, _), seed in zip(burst[:2], (11, 12), strict=True):
+        assert data == alone[seed]  # alone or batched with others: the same bytes
+    assert burst[2][1] != burst[3][1] and all(png_pixels(d).shape == (1024, 3) for _, d, _ in burst)
+
+
+def test_served_pictures_equal_offline_ones_and_tome_differs_from_plain(server):
+    base, _, _ = server
+    served = {ratio: generate(base, seed=21, ratio=ratio)[1] for ratio in (0.5, 0.0)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the replica (Ray gives it 1 CPU): the same arithmetic
+    try:
+        engine = Engine(ServeSpec(compiler="eager", batch_size=BATCH))
+        offline = {ratio: engine.render([parse_job({"prompt": "red circle", "steps": STEPS, "seed": 21,
+                                                    "ratio": ratio}, engine.limits)])[0].png for ratio in (0.5, 0.0)}
+    finally:
+        torch.set_num_threads(threads)
+    assert served == offline
+    difference = (png_pixels(served[0.5]).float() - png_pixels(served[0.0]).float()).abs()
+    assert 0 < difference.mean() < 40  # merged: close to the plain picture, not equal to it
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": "purple circle"}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"steps": 0}, "steps"),
+    ({"steps": 1000}, "steps"),
+    ({"seed": -1}, "seed"),
+    ({"seed": "7"}, "seed"),
+    ({"guidance": float("inf")}, "guidance"),
+    ({"ratio": 0.3}, "ratio"),
+    ({"size": 512}, "size"),
+    ({"colour": "red"}, "colour"),
+])
+def test_bad_requests_are_422_naming_the_field(server, body, field):
+    base, _, _ = server
+    status, data, _ = post(base + "/generate", {"prompt": "red circle", **body})
+    assert status == 422
+    import json
+
+    assert json.loads(data)["error"].startswith(f"{field}:")
+
+
+def test_not_json_is_422_and_the_server_still_serves(server):
+    import urllib.request
+
+    base, _, _ = server
+    request = urllib.request.Request(base + "/generate", data=b"not json", method="POST")
+    try:
+        urllib.request.urlopen(request, timeout=30)
+        raise AssertionError("expected 422")
+    except urllib.error.HTTPError as e:
+        assert e.code == 422 and b"body: not JSON" in e.read()
+    assert generate(base, seed=3)[0] == 200
+
+
+def test_overload_is_503_at_once_never_a_hang(server):
+    base, _, _ = server
+    start = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:  # 6 in the replica, 4 queued: the rest refused
+        results = list(pool.map(lambda s: generate(base, seed=s), range(100, 124)))
+    statuses = [status for status, _, _ in results]
+    assert set(statuses) <= {200, 503} and statuses.count(503) >= 8 and statuses.count(200) >= 3, statuses
+    assert all(b'"error"' in data for status, data, _ in results if status == 503)
+    assert time.monotonic() - start < 120
+
+
+def test_a_killed_replica_is_restarted_and_serves_again(server):
+    base, _, _ = server
+
+    def replica_pids():
+        return [int(line.split()[0]) for line in ray_processes() if "ServeReplica:tome:Renderer" in line]
+
+    (pid,) = replica_pids()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(generate, base, seed=31, steps=40)  # several seconds of work
+        time.sleep(2.0)
+        os.kill(pid, signal.SIGKILL)  # the replica process dies under it
+        status, data, _ = in_flight.result(timeout=150)  # an answer, not a hang
+    assert status == 503 and b"failed in a model replica" in data, data[:300]
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (replica_pids() and replica_pids() != [pid]):
+        time.sleep(1.0)
+    wait_healthy(base, 240)
+    assert replica_pids() and pid not in replica_pids()  # Serve started a new one
+    assert generate(base, seed=32)[0] == 200
+
+
+def test_sigterm_shuts_serve_and_ray_down(server):
+    _, process, log = server
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(120) == 0
+    deadline = time.monotonic() + 60
+    while ray_processes() and time.monotonic() < deadline:
+        time.sleep(1.0)
+    log.seek(0)
+    assert not ray_processes(), log.read()[-2000:]
+
+
+# --- without a cluster -------------------------------------------------------------------------
+LIMITS = Limits(ratios=(0.0, 0.5), default_ratio=0.5, sizes=(32,), default_size=32, default_steps=12,
+                default_guidance=2.5)
+
+
+def test_a_request_takes_defaults_and_keeps_its_own_fields():
+    job = parse_job({"prompt": "red circle", "seed": 5, "ratio": 0}, LIMITS)
+    assert (job.prompt, job.seed) == ("red circle", 5)
+    assert (job.settings.steps, job.settings.guidance, job.settings.ratio, job.settings.size) == (12, 2.5, 0.0, 32)
+    for body, words in [([1, 2], "body: must be a JSON object"), ({"seed": 1}, "prompt: required"),
+                        ({"prompt": "x" * 400}, "prompt: 400 characters"), ({"prompt": "a", "seed": True}, "seed"),
+                        ({"prompt": "a", "seed": 2 ** 63}, "seed: 9223372036854775808 is outside")]:
+        with pytest.raises(RequestError, match=words.replace("[", r"\[")):
+            parse_job(body, LIMITS)
+
+
+def test_the_application_builder_and_the_cluster_config():
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from tome_compile.serve.app import build
+
+    app = build({"ratio": "0.5", "compiler": "eager", "batch_size": "8", "min_replicas": "1", "max_replicas": "4",
+                 "sizes": "32,64"})
+    assert type(app).__name__ == "Application"
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['colour'\]"):
+        build({"colour": "red"})
+    config = yaml.safe_load((REPO / "docs" / "serve_config.yaml").read_text())
+    schema = ServeDeploySchema(**config)  # what `serve deploy` validates
+    (application,) = schema.applications
+    assert application.import_path == "tome_compile.serve.app:build"
+    build(application.args)  # the arguments the file gives build

@@ -1,0 +1,196 @@
+"""The Ray Serve application: an HTTP front (FastAPI ingress) and the model replicas.
+
+    serve run tome_compile.serve.app:build ratio=0.5 compiler=eager     # Serve's own CLI
+    tome-serve --ratio 0.5                                              # the same, with a local Ray
+
+* ``Frontend`` (no CPU reserved) checks each request (422 naming the field), forwards it to the
+  model with a timeout (504), turns a full queue into 503 at once (Serve's ``max_queued_requests``
+  backpressure) and a replica that died under the request into 503, and answers ``GET /healthz``.
+* ``Renderer`` replicas hold an :class:`~tome_compile.serve.engine.Engine` (model compiled and
+  warmed up before the replica reports ready); ``@serve.batch`` groups concurrent requests into
+  one call, which runs one denoising loop per group of equal settings.
+
+Replicas, autoscaling, placement on GPUs and multi-node clusters are Serve's: see ``build``'s
+arguments and ``docs/serve_config.yaml``.
+"""
+
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from tome_compile.serve.engine import Engine, Rendered, ServeSpec
+from tome_compile.serve.request import Job, RequestError, parse_job
+
+__all__ = ["AppOptions", "Frontend", "Renderer", "build", "build_app"]
+
+logger = logging.getLogger("tome_compile.serve")
+
+api = FastAPI(title="tome-serve", description="Text-to-image with token merging (tome-compile) on Ray Serve")
+
+
+def _error(status: int, message: str, retry: bool = False) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers={"Retry-After": "1"} if retry else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class AppOptions:
+    """Serving options beyond the model's (``ServeSpec``)."""
+
+    replicas: int = 1
+    min_replicas: int | None = None  # autoscaling when both are set
+    max_replicas: int | None = None
+    batch_wait_ms: float = 20.0
+    max_queued: int = 32  # requests waiting per deployment before 503
+    request_timeout_s: float = 120.0
+    cpus_per_replica: float = 1.0
+    gpus_per_replica: float = 0.0
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64, health_check_period_s=2.0,
+                  health_check_timeout_s=30.0)
+class Renderer:
+    """One model replica. ``render`` takes one job per call; Serve batches concurrent calls."""
+
+    def __init__(self, spec: ServeSpec, batch_wait_ms: float) -> None:
+        import torch
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+        self.spec = spec
+        self.engine = Engine(spec)
+        self.warm_up_s = self.engine.warm_up()
+        self.render.set_max_batch_size(spec.batch_size)
+        self.render.set_batch_wait_timeout_s(batch_wait_ms / 1000.0)
+        logger.info("Renderer ready: %s, warm-up %.1f s", spec, self.warm_up_s)
+
+    def limits(self) -> Any:
+        return self.engine.limits
+
+    def ready(self) -> dict[str, Any]:
+        return {"model": self.spec.model, "onnx": self.spec.onnx, "method": self.engine.method,
+                "ratios": list(self.engine.limits.ratios), "batch_size": self.spec.batch_size,
+                "warm_up_s": round(self.warm_up_s, 2)}
+
+    @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.02)
+    async def render(self, jobs: list[Job]) -> list[Rendered]:
+        # the loop runs in a thread: the replica keeps answering health checks meanwhile
+        return await asyncio.to_thread(self.engine.render, jobs)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+@serve.ingress(api)
+class Frontend:
+    """HTTP: ``POST /generate`` (JSON -> PNG) and ``GET /healthz``."""
+
+    def __init__(self, renderer: DeploymentHandle, timeout_s: float) -> None:
+        self.renderer = renderer
+        self.timeout_s = timeout_s
+        self._limits: Any = None
+
+    async def _get_limits(self) -> Any:
+        if self._limits is None:
+            self._limits = await self.renderer.limits.remote()
+        return self._limits
+
+    @api.get("/healthz")
+    async def healthz(self) -> JSONResponse:
+        try:
+            info = await asyncio.wait_for(self._await(self.renderer.ready.remote()), timeout=10.0)
+        except Exception as e:  # noqa: BLE001 - not ready, for whatever reason: say which
+            return JSONResponse({"status": "unavailable", "error": f"{type(e).__name__}: {str(e)[:200]}"},
+                                status_code=503)
+        return JSONResponse({"status": "ok", **info})
+
+    @staticmethod
+    async def _await(response: Any) -> Any:
+        return await response
+
+    @api.post("/generate")
+    async def generate(self, request: Request) -> Response:
+        received = time.perf_counter()
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(422, "body: not JSON; send {\"prompt\": \"...\", \"seed\": 0, ...}")
+        try:
+            job = parse_job(body, await self._get_limits())
+        except RequestError as e:
+            return _error(422, str(e))
+        except Exception as e:  # noqa: BLE001 - the replicas' limits are not reachable yet
+            return _error(503, f"the model is not ready ({type(e).__name__}); retry", retry=True)
+        response = self.renderer.render.remote(job)
+        try:
+            rendered: Rendered = await asyncio.wait_for(self._await(response), timeout=self.timeout_s)
+        except asyncio.TimeoutError:
+            response.cancel()
+            return _error(504, f"no picture within {self.timeout_s:g} s (the request timeout); retry later")
+        except Exception as e:  # noqa: BLE001 - backpressure or a replica that died: 503, never a hang
+            from ray.serve.exceptions import BackPressureError
+
+            if isinstance(e, BackPressureError):
+                return _error(503, "overloaded: the queue is full; retry later", retry=True)
+            logger.warning("generate failed: %s: %s", type(e).__name__, e)
+            return _error(503, f"the request failed in a model replica ({type(e).__name__}); retry", retry=True)
+        total = (time.perf_counter() - received) * 1000.0
+        return Response(content=rendered.png, media_type="image/png", headers={
+            "X-Seed": str(rendered.seed), "X-Compute-Ms": f"{rendered.compute_ms:.1f}",
+            "X-Batch-Size": str(rendered.batch), "X-Total-Ms": f"{total:.1f}",
+            "X-Ratio": f"{job.settings.ratio:g}", "X-Steps": str(job.settings.steps)})
+
+
+def build_app(spec: ServeSpec, options: AppOptions | None = None) -> Any:
+    """The Serve application for ``spec`` with ``options`` (replicas, batching, queue, resources)."""
+    options = options or AppOptions()
+    if options.gpus_per_replica > 0 and spec.device == "cpu":
+        spec = dataclasses.replace(spec, device="cuda")  # the replica's GPU runs the model
+    renderer_options: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": options.cpus_per_replica, "num_gpus": options.gpus_per_replica},
+        "max_queued_requests": options.max_queued,
+        "max_ongoing_requests": max(2 * spec.batch_size, 2),
+    }
+    if options.min_replicas is not None and options.max_replicas is not None:
+        renderer_options["autoscaling_config"] = {"min_replicas": options.min_replicas,
+                                                  "max_replicas": options.max_replicas,
+                                                  "target_ongoing_requests": spec.batch_size}
+        renderer_options["num_replicas"] = "auto"
+    else:
+        renderer_options["num_replicas"] = options.replicas
+    renderer = Renderer.options(**renderer_options).bind(spec, options.batch_wait_ms)
+    return Frontend.bind(renderer, options.request_timeout_s)
+
+
+def build(args: dict[str, Any]) -> Any:
+    """Serve's application builder (``serve run tome_compile.serve.app:build key=value ...``, or
+    ``import_path`` + ``args`` in a Serve config file): ``args`` are ``ServeSpec`` and
+    ``AppOptions`` fields, as strings or JSON values."""
+    spec_fields = {f.name: f for f in dataclasses.fields(ServeSpec)}
+    option_fields = {f.name: f for f in dataclasses.fields(AppOptions)}
+    unknown = sorted(set(args) - set(spec_fields) - set(option_fields))
+    if unknown:
+        raise ValueError(f"unknown argument(s) {unknown}; use {sorted(spec_fields) + sorted(option_fields)}")
+    spec = ServeSpec(**{k: _typed(spec_fields[k], v) for k, v in args.items() if k in spec_fields})
+    options = AppOptions(**{k: _typed(option_fields[k], v) for k, v in args.items() if k in option_fields})
+    return build_app(spec, options)
+
+
+def _typed(f: dataclasses.Field, value: Any) -> Any:
+    """A builder argument (``serve run`` passes strings) as the field's type."""
+    if not isinstance(value, str):
+        return tuple(value) if isinstance(value, list) else value
+    kind = f.type if isinstance(f.type, str) else str(f.type)
+    if "tuple" in kind:
+        return tuple(int(v) for v in value.split(",") if v)
+    if value.lower() == "none" and ("None" in kind or "Optional" in kind):
+        return None
+    if "float" in kind:
+        return float(value)
+    if "int" in kind:
+        return int(value)
+    return value

@@ -1,0 +1,163 @@
+"""``tome-serve``: text-to-image with token merging, served by Ray Serve.
+
+Starts a local Ray instance (or joins a cluster: ``--address`` / ``RAY_ADDRESS``), deploys the
+application of :mod:`tome_compile.serve.app` and serves it over HTTP until Ctrl-C / SIGTERM, which
+shut Serve (and a Ray instance this command started) down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from tome_compile.errors import ToMeError
+
+__all__ = ["main"]
+
+EPILOG = """examples:
+  tome-serve                                           # shapes model, ToMe 0.5, inductor, 127.0.0.1:8000
+  tome-serve --compiler eager --max-batch-size 8       # a first start in seconds
+  tome-serve --model ./stable-diffusion-v1-5 --replicas 2 --num-gpus-per-replica 1
+  tome-serve --onnx unet_tome.onnx                     # a tome-export file through ToMeSession
+  tome-serve --address ray://head:10001 --min-replicas 1 --max-replicas 8   # a Ray cluster, autoscaling
+  curl -s -X POST localhost:8000/generate -d '{"prompt": "red circle", "seed": 3}' -o out.png
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tome-serve", description=__doc__, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="shapes",
+                   help="shapes (the shipped model), a shapes-model folder or a local diffusers pipeline folder")
+    p.add_argument("--onnx", default=None, metavar="PATH", help="serve a tome-export file through ToMeSession")
+    p.add_argument("--ratio", type=float, default=0.5, help="merge ratio (requests may ask for it or 0 = plain)")
+    p.add_argument("--method", default="tome", choices=["tome", "importance"])
+    p.add_argument("--plan-every", type=int, default=1, metavar="K")
+    p.add_argument("--compiler", default="inductor", help="inner compiler of torch.compile: inductor or eager")
+    p.add_argument("--seed", type=int, default=0, help="ToMe's partition seed (every batch restarts from it)")
+    p.add_argument("--sizes", default=None, help="picture sizes served, e.g. 32,64 (default: the model's own)")
+    p.add_argument("--replicas", type=int, default=1, help="model replicas (fixed)")
+    p.add_argument("--min-replicas", type=int, default=None, help="autoscaling: at least this many replicas")
+    p.add_argument("--max-replicas", type=int, default=None, help="autoscaling: at most this many replicas")
+    p.add_argument("--max-batch-size", type=int, default=4,
+                   help="requests per denoising loop; every loop is padded to it (1 = no batching)")
+    p.add_argument("--batch-wait-ms", type=float, default=20.0, help="how long a batch waits to fill up")
+    p.add_argument("--max-queued", type=int, default=32, help="queued requests before 503 (overload)")
+    p.add_argument("--request-timeout-s", type=float, default=120.0, help="per request, then 504")
+    p.add_argument("--num-cpus-per-replica", type=float, default=1.0)
+    p.add_argument("--num-gpus-per-replica", type=float, default=0.0)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--address", default=None, help="a Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray instance (default: all)")
+    return p
+
+
+def options_from(args: argparse.Namespace) -> tuple[object, object]:
+    """``(ServeSpec, AppOptions)`` of the command line (one line of error for a bad value)."""
+    from tome_compile.serve.app import AppOptions
+    from tome_compile.serve.engine import ServeSpec
+
+    if (args.min_replicas is None) != (args.max_replicas is None):
+        raise ToMeError("give both --min-replicas and --max-replicas (autoscaling), or --replicas N")
+    if args.min_replicas is not None and not 0 <= args.min_replicas <= args.max_replicas:
+        raise ToMeError(f"--min-replicas {args.min_replicas} must be in [0, --max-replicas {args.max_replicas}]")
+    if args.replicas < 1:
+        raise ToMeError(f"--replicas {args.replicas} must be >= 1")
+    for name in ("batch_wait_ms", "request_timeout_s", "num_cpus_per_replica", "num_gpus_per_replica"):
+        if getattr(args, name) < 0:
+            raise ToMeError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
+    if args.max_queued < 1:
+        raise ToMeError(f"--max-queued {args.max_queued} must be >= 1")
+    try:
+        sizes = tuple(int(v) for v in args.sizes.split(",")) if args.sizes else None
+    except ValueError:
+        raise ToMeError(f"--sizes {args.sizes!r}: give sizes like 32,64") from None
+    spec = ServeSpec(model=args.model, onnx=args.onnx, method=args.method, ratio=args.ratio,
+                     plan_every=args.plan_every, compiler=args.compiler, batch_size=args.max_batch_size,
+                     seed=args.seed, sizes=sizes)
+    options = AppOptions(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                         batch_wait_ms=args.batch_wait_ms, max_queued=args.max_queued,
+                         request_timeout_s=args.request_timeout_s, cpus_per_replica=args.num_cpus_per_replica,
+                         gpus_per_replica=args.num_gpus_per_replica)
+    return spec, options
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        spec, options = options_from(args)
+        if args.model not in ("shapes",) and not os.path.exists(args.model):
+            raise ToMeError(f"--model {args.model!r}: no such folder (give shapes, a shapes-model folder or a "
+                            "diffusers pipeline folder)")
+        if args.onnx is not None and not os.path.isfile(args.onnx):
+            raise ToMeError(f"--onnx {args.onnx!r}: no such file")
+    except (ToMeError, ValueError) as e:
+        print(f"tome-serve: error: {e}", file=sys.stderr)
+        return 2
+    return _serve(args, spec, options)
+
+
+def _serve(args: argparse.Namespace, spec: object, options: object) -> int:
+    import ray
+    from ray import serve
+
+    from tome_compile.serve.app import build_app
+
+    stop, serving = threading.Event(), threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+        if not serving.is_set():  # still starting (a deploy can take minutes): unwind now
+            raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    try:
+        if address:
+            ray.init(address=address)
+        else:
+            # a loaded machine can take more than Serve's 5 s to start the HTTP proxy, which Serve
+            # then kills and restarts in a loop; the local instance's processes inherit this
+            os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+            ray.init(num_cpus=args.num_cpus, include_dashboard=False)
+        for sig in previous:  # ray.init installs its own SIGTERM handler (it aborts the driver): ours again
+            signal.signal(sig, on_signal)
+        serve.start(http_options={"host": args.host, "port": args.port,
+                                  "request_timeout_s": options.request_timeout_s + 5})
+        print("tome-serve: deploying (the replicas compile and warm up before they serve)...", flush=True)
+        serve.run(build_app(spec, options), name="tome", route_prefix="/", blocking=False)
+        serving.set()
+        if not stop.is_set():
+            print(f"tome-serve: serving on http://{args.host}:{args.port} — POST /generate, GET /healthz "
+                  f"({'Ray cluster ' + address if address else 'local Ray'}); Ctrl-C or SIGTERM to stop", flush=True)
+        stop.wait()
+        print("tome-serve: stopping", flush=True)
+        return 0
+    except KeyboardInterrupt:
+        print("tome-serve: interrupted while starting; stopping", flush=True)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line, then the shutdown below
+        print(f"tome-serve: error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
+              file=sys.stderr)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        try:
+            if address:
+                serve.delete("tome")  # leave the cluster's Serve running for its other applications
+            else:
+                serve.shutdown()
+        except Exception:  # noqa: BLE001 - shutting down after a failed start
+            pass
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
