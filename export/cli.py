@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("out", nargs="?", help="output .onnx path (weights go to OUT.data beside it)")
     p.add_argument("--model", default=None,
                    help="local diffusers U-Net / PixArt transformer or pipeline folder, or sd15 | sd21 | sdxl | "
-                        "animatediff | svd | pixart (random weights)")
+                        "animatediff | svd | pixart (random weights), or shapes (the shipped trained model)")
     p.add_argument("--frames", type=int, default=None,
                    help="video U-Nets (AnimateDiff, SVD): frames per video (default 16 / 25)")
     p.add_argument("--blocks", default=None, metavar="LIST",
@@ -156,7 +156,7 @@ def _run(args: argparse.Namespace) -> int:
     from tome_compile.export.optimum import check_into_config, remove_stale_external_data
     from tqdm import tqdm
 
-    from tome_compile.models import ARCHITECTURES, load_unet
+    from tome_compile.models import ARCHITECTURES, SHAPES, load_unet
 
     for name in ("height", "width"):
         value = getattr(args, name)
@@ -177,8 +177,8 @@ def _run(args: argparse.Namespace) -> int:
                         blocks=parse_blocks(args.blocks) if args.blocks is not None else None)
     if args.frames is not None and not 1 <= args.frames <= 128:
         raise _UsageError(f"--frames {args.frames} is outside [1, 128] (AnimateDiff: 16, SVD: 14 or 25)")
-    if args.model not in ARCHITECTURES and not Path(args.model).exists():
-        raise _UsageError(f"--model {args.model!r}: no such folder, and not one of {ARCHITECTURES}")
+    if args.model not in (*ARCHITECTURES, SHAPES) and not Path(args.model).exists():
+        raise _UsageError(f"--model {args.model!r}: no such folder, and not one of {(*ARCHITECTURES, SHAPES)}")
 
     steps = ["load", "trace", "rewrite", "convert", "inventory", "parity"] + (["optimize"] if args.optimize else []) + ["write"]
     with tqdm(total=len(steps), desc="tome-export", unit="step", file=sys.stderr) as bar:

@@ -221,3 +221,39 @@ def test_the_application_builder_and_the_cluster_config():
     (application,) = schema.applications
     assert application.import_path == "tome_compile.serve.app:build"
     build(application.args)  # the arguments the file gives build
+
+
+def alone_and_batched(engine, prompts):
+    """The first prompt's picture alone, and batched with the others (one loop)."""
+    jobs = [parse_job({"prompt": p, "seed": i, "steps": 2}, engine.limits) for i, p in enumerate(prompts)]
+    return engine.render(jobs[:1])[0].png, engine.render(jobs)[0].png, engine.render(jobs)[1].png
+
+
+def test_a_tome_export_is_served_alone_or_batched_alike(tmp_path):
+    """tome-serve --onnx: the shapes model's U-Net exported (tome-export --model shapes) and run
+    through ToMeSession; its ratio and size are the file's."""
+    from tome_compile.export import export_onnx
+    from tome_compile.models import load_unet
+
+    from tome_compile import ToMeConfig
+
+    unet, _ = load_unet("shapes")
+    path = export_onnx(unet, tmp_path / "shapes.onnx", ToMeConfig(ratio=0.5, seed=0), batch=4, height=32, width=32,
+                       seq_len=2, atol=1e-4).path
+    engine = Engine(ServeSpec(onnx=str(path), batch_size=2))
+    assert engine.limits.ratios == (0.5,) and engine.limits.sizes == (32,)
+    alone, batched, other = alone_and_batched(engine, ["red circle", "blue square"])
+    assert alone == batched and batched != other
+    with pytest.raises(RequestError, match=r"ratio: 0 is not served here; this server merges at \[0.5\]"):
+        parse_job({"prompt": "red circle", "ratio": 0}, engine.limits)
+
+
+def test_a_local_diffusers_pipeline_is_served_alone_or_batched_alike(tmp_path):
+    from conftest import tiny_pipeline_folder
+
+    folder = tiny_pipeline_folder(tmp_path / "p")
+    engine = Engine(ServeSpec(model=str(folder), compiler="eager", batch_size=2, ratio=0.5))
+    assert engine.limits.sizes == (8,) and engine.limits.default_steps == 25
+    alone, batched, other = alone_and_batched(engine, ["a cat", "a dog"])
+    assert alone == batched and batched != other
+    assert png_pixels(alone).shape == (8 * 8, 3)

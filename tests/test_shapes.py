@@ -211,43 +211,14 @@ def test_quality_bad_input(argv, words, capsys):
     assert words in capsys.readouterr().err
 
 
-def _tiny_pipeline_folder(folder):
-    import json
-    import string
-
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for c in string.ascii_lowercase:
-        vocab[c] = len(vocab)
-        vocab[c + "</w>"] = len(vocab)
-    folder.mkdir()
-    (folder / "vocab.json").write_text(json.dumps(vocab))
-    (folder / "merges.txt").write_text("#version: 0.2\n")
-    tokenizer = CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=8)
-    torch.manual_seed(0)
-    text = CLIPTextModel(CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=37,
-                                        num_attention_heads=4, num_hidden_layers=2, max_position_embeddings=8,
-                                        bos_token_id=0, eos_token_id=1, pad_token_id=1))
-    unet = UNet2DConditionModel(sample_size=8, block_out_channels=(32, 64), layers_per_block=1,
-                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
-                                attention_head_dim=2, norm_num_groups=8)
-    vae = AutoencoderKL(block_out_channels=(8,), down_block_types=("DownEncoderBlock2D",),
-                        up_block_types=("UpDecoderBlock2D",), latent_channels=4, norm_num_groups=8, sample_size=8)
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=tokenizer, unet=unet, scheduler=DDIMScheduler(),
-                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    pipe.save_pretrained(folder / "pipe")
-    return folder / "pipe"
-
-
 def test_demo_with_a_local_diffusers_pipeline(tmp_path, capsys):
     import json
 
     from tome_compile.shapes.demo import main
 
-    pipe = _tiny_pipeline_folder(tmp_path / "p")
+    from conftest import tiny_pipeline_folder
+
+    pipe = tiny_pipeline_folder(tmp_path / "p")
     out = tmp_path / "grid.png"
     code = main(["--model", str(pipe), "--size", "16", "--steps", "2", "--seeds", "2", "--prompts", "a cat",
                  "--compiler", "eager", "--out", str(out)])

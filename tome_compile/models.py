@@ -25,6 +25,7 @@ __all__ = ["ARCHITECTURES", "MODEL_CLASSES", "UNetInputs", "architecture_class",
 logger = logging.getLogger("tome_compile")
 
 ARCHITECTURES = ("sd15", "sd21", "sdxl", "animatediff", "svd", "pixart")
+SHAPES = "shapes"  # load_unet: the U-Net of the shipped shapes model (for tome-export, tome-serve --onnx)
 # The denoisers the pass knows, by diffusers class name: image U-Nets, video U-Nets, a DiT.
 MODEL_CLASSES = ("UNet2DConditionModel", "UNetMotionModel", "UNetSpatioTemporalConditionModel",
                  "PixArtTransformer2DModel")
@@ -75,12 +76,17 @@ def build_unet(name_or_config: str | dict[str, Any], *, seed: int = 0,
 
 
 def load_unet(spec: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, str]:
-    """``spec`` = a built-in name (random weights), a diffusers U-Net folder or a pipeline folder.
+    """``spec`` = a built-in name (random weights), ``"shapes"`` (the shipped trained shapes
+    model's U-Net), a diffusers U-Net folder or a pipeline folder.
 
     Returns ``(unet, description)``; the description says where the weights came from.
     """
     if isinstance(spec, str) and spec in ARCHITECTURES:
         return build_unet(spec, dtype=dtype), f"built-in {spec} architecture with RANDOM weights"
+    if spec == SHAPES:  # the project's own trained model (pixel space, 32 x 32, two-word prompts)
+        from tome_compile.shapes.model import load_model
+
+        return load_model().unet.to(dtype).eval(), "the shipped shapes model's U-Net (trained weights)"
     path = Path(spec)
     if not path.exists():
         raise ToMeModelError(f"model {str(spec)!r} not found: give a diffusers U-Net folder, a pipeline "
