@@ -93,7 +93,8 @@ def _targets(site: _sites.AttentionSite, found: list[_sites.AttentionSite], grap
              config: ToMeConfig) -> list[Target] | str:
     """The regions of the block merged with one plan (attn1; attn2 / ff when asked), or why not."""
     block = site.block_path
-    classic = {_short(s.path, block) for s in found if s.block_path == block and s.form == "classic"}
+    same = [s for s in found if s.block_path == block and s.unet_pass == site.unet_pass]  # this pass's block
+    classic = {_short(s.path, block) for s in same if s.form == "classic"}
     out: list[Target] = []
     if config.merge_attn:
         assert site.output is not None
@@ -101,14 +102,15 @@ def _targets(site: _sites.AttentionSite, found: list[_sites.AttentionSite], grap
         out.append(Target(input=site.input, output=site.output, region=tuple(site.nodes), path=site.path,
                           name=name, bakes_tokens=name in classic))
     if config.merge_crossattn:
-        for c in (s for s in found if s.kind == "cross-attention" and s.block_path == block):
+        for c in (s for s in same if s.kind == "cross-attention"):
             if c.problem is not None or c.output is None:
                 return f"{c.path}: {c.problem}"
             name = _short(c.path, block)
             out.append(Target(input=c.input, output=c.output, region=tuple(c.nodes), path=c.path, name=name,
                               bakes_tokens=name in classic))
     if config.merge_mlp:
-        ff = _sites.region_nodes(graph, block + ".ff")
+        spans = _sites.pass_spans(graph)
+        ff = _sites.region_nodes(graph, block + ".ff", spans[site.unet_pass] if len(spans) > 1 else None)
         exits = _sites.region_exits(ff)
         inside = set(ff)
         inputs = {a for node in ff for a in node.all_input_nodes

@@ -299,8 +299,27 @@ def _hashed_inputs(gm: fx.GraphModule, add: Callable[[ToMeInputSpec], None], nod
             nodes[name].meta["tome"] = {"role": "plan", "site": "hashed"}
 
 
+def _decide_all(gm: fx.GraphModule, found: list[_sites.AttentionSite], passes: list[_sites.UNetPass],
+                config: ToMeConfig, latent_hw: tuple[int, int] | None) -> list[BlockPlan | Skip]:
+    """Each site's decision against its own U-Net pass (a DiT's patch grid, a U-Net's latent). A
+    self-attention whose input is another site's reference (Zero123++'s write pass over the
+    condition latent) is left unmerged: its input is the reference the read pass attends to."""
+    readers = {s.reference: s for s in found if s.reference is not None}
+    out: list[BlockPlan | Skip] = []
+    for site in found:
+        unet_pass = passes[min(site.unet_pass, len(passes) - 1)]
+        reader = readers.get(site.input)
+        if reader is not None and site.kind == "self-attention":
+            out.append(Skip(f"reference pass: its input is the reference {reader.path} (pass "
+                            f"{reader.unet_pass}) attends to; left unmerged"))
+            continue
+        grid = unet_pass.grid or latent_hw or unet_pass.latent
+        out.append(decide_site(site, found, gm.graph, config, grid, unet_pass.rows))
+    return out
+
+
 def _select_blocks(decisions: list[BlockPlan | Skip], found: list[_sites.AttentionSite], config: ToMeConfig,
-                   rows: int | None) -> list[BlockPlan | Skip]:
+                   passes: list[_sites.UNetPass]) -> list[BlockPlan | Skip]:
     """``config.blocks``: keep the plans of the listed blocks (index k = the k-th spatial
     self-attention block in execution order; PixArt's ``transformer_blocks.k``)."""
     if config.blocks is None:
@@ -308,6 +327,7 @@ def _select_blocks(decisions: list[BlockPlan | Skip], found: list[_sites.Attenti
     out: list[BlockPlan | Skip] = []
     k = 0
     for site, decision in zip(found, decisions):
+        rows = passes[min(site.unet_pass, len(passes) - 1)].rows
         spatial = site.kind == "self-attention" and _sites.temporal_reason(site, rows) is None
         if spatial and isinstance(decision, BlockPlan) and k not in config.blocks:
             shown = _ranges(config.blocks)
@@ -435,18 +455,20 @@ def _apply(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig, mode:
 def _report(found: list[_sites.AttentionSite], decisions: list[BlockPlan | Skip], kept: list[BlockPlan],
             failures: dict[str, str], config: ToMeConfig, mode: _Mode) -> list[ToMeSite]:
     """One row per attention site, in graph order."""
-    by_path = {p.site.path: p for p in kept}
+    by_path = {(p.site.path, p.site.unet_pass): p for p in kept}
     makers = _plan_makers(kept, config)
     sharing = {p.site.path: kept[m].site.path for p, m in zip(kept, makers) if kept[m] is not p}
     merged_with = {t.path: p for p in kept for t in p.targets if t.path != p.site.path}
     rows = []
     for site, decision in zip(found, decisions):
-        plan, partner = by_path.get(site.path), merged_with.get(site.path)
-        row = {"path": site.path, "kind": site.kind, "tokens": site.tokens}
+        plan, partner = by_path.get((site.path, site.unet_pass)), merged_with.get(site.path)
+        kind = site.kind + (" + reference" if site.reference is not None else "")
+        row = {"path": site.path, "kind": kind, "tokens": site.tokens}
         if plan is not None:
             maker = sharing.get(site.path)
             reason = (f"downsample {plan.downsample} <= max_downsample={config.max_downsample}, "
-                      f"r={plan.merged}{mode.note}" + (f"; plan shared from {maker}" if maker else ""))
+                      f"r={plan.merged}{mode.note}" + (f"; plan shared from {maker}" if maker else "")
+                      + (f"; {site.reference_tokens} reference tokens kept" if site.reference is not None else ""))
             rows.append(ToMeSite(**row, tokens_after=plan.tokens - plan.merged, grid=plan.grid,
                                  downsample=plan.downsample, rewritten=True, reason=reason,
                                  targets=tuple(t.name for t in plan.targets)))
@@ -532,11 +554,9 @@ def merge_self_attention(
     if plan_state not in PLAN_STATES:
         raise ToMeRewriteError(f"plan_state={plan_state!r} is not one of {PLAN_STATES}")
     found = _sites.find_attention_sites(gm)
-    latent = latent_hw or _sites.latent_size(gm)
-    grid = _sites.token_grid(gm) or latent  # a DiT's patch grid; a U-Net's latent
-    rows = _sites.latent_batch(gm)
-    decisions = _select_blocks([decide_site(site, found, gm.graph, config, grid, rows) for site in found],
-                               found, config, rows)
+    passes = _sites.unet_passes(gm)
+    latent = latent_hw or passes[-1].latent  # the sample's (the pass whose output the graph returns)
+    decisions = _select_blocks(_decide_all(gm, found, passes, config, latent_hw), found, config, passes)
     plans = [d for d in decisions if isinstance(d, BlockPlan)] if config.enabled else []
     first = next((s[0] for p in plans if isinstance(s := _sites.node_shape(p.site.input), tuple)), None)
     batch = first if isinstance(first, int) else None

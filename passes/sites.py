@@ -28,6 +28,7 @@ from torch import fx
 __all__ = [
     "AttentionSite",
     "UNetIO",
+    "UNetPass",
     "block_grid",
     "find_attention_sites",
     "find_unet_io",
@@ -36,11 +37,14 @@ __all__ = [
     "module_path",
     "node_shape",
     "norm_input",
+    "pass_spans",
+    "pass_starts",
     "region_exits",
     "region_nodes",
     "sample_batch",
     "temporal_reason",
     "token_grid",
+    "unet_passes",
 ]
 
 # Recognised op variants, one table: Dynamo (torch level) -> torch.export (aten level).
@@ -179,18 +183,24 @@ class AttentionSite:
     nodes: list[fx.Node] = field(default_factory=list)
     tokens: int | None = None
     problem: str | None = None
+    # reference attention (Zero123++'s read pass): k/v read cat([input, reference]); the reference's tokens
+    reference: fx.Node | None = None
+    reference_tokens: int | None = None
+    unet_pass: int = 0  # which U-Net pass of the graph (a wrapper may run its U-Net twice per call)
 
     @property
     def block_path(self) -> str:
         return self.path.rsplit(".", 1)[0] if "." in self.path else ""
 
 
-def region_nodes(graph: fx.Graph, path: str) -> list[fx.Node]:
-    """Nodes produced inside module ``path`` (or its children), in graph order."""
+def region_nodes(graph: fx.Graph, path: str, span: tuple[int, int] | None = None) -> list[fx.Node]:
+    """Nodes produced inside module ``path`` (or its children), in graph order; with ``span``, only
+    those at graph positions ``[start, stop)`` (one U-Net pass of a graph that runs several)."""
     prefix = path + "."
+    start, stop = span or (0, len(graph.nodes))
     return [
-        n for n in graph.nodes
-        if n.op not in ("placeholder", "output", "get_attr")
+        n for i, n in enumerate(graph.nodes)
+        if start <= i < stop and n.op not in ("placeholder", "output", "get_attr")
         and (module_path(n) == path or module_path(n).startswith(prefix))
     ]
 
@@ -201,10 +211,28 @@ def region_exits(nodes: list[fx.Node]) -> list[fx.Node]:
     return [n for n in nodes if any(u not in inside for u in n.users)]
 
 
+_CAT_OPS: set[Any] = {torch.cat, torch.concat, torch.ops.aten.cat.default, torch.ops.aten.concat.default}
+
+
+def _reference_of(kv: fx.Node, source: fx.Node) -> fx.Node | None:
+    """Reference attention (Zero123++'s read pass): keys and values are projections of
+    ``cat([source, reference], dim=1)``; the reference node, or None."""
+    if not _is_call(kv, _CAT_OPS) or not isinstance(kv.args[0], (list, tuple)) or len(kv.args[0]) != 2:
+        return None
+    dim = kv.args[1] if len(kv.args) > 1 else kv.kwargs.get("dim", 0)
+    first, reference = kv.args[0]
+    shape = node_shape(source)
+    if first is not source or not isinstance(reference, fx.Node) or shape is None or dim not in (1, 1 - len(shape)):
+        return None
+    return reference
+
+
 def find_attention_sites(gm: fx.GraphModule) -> list[AttentionSite]:
-    """Every attention op of ``gm`` in execution order, classified, with its region."""
+    """Every attention op of ``gm`` in execution order, classified, with its region (within its
+    U-Net pass, for a graph that runs the U-Net more than once)."""
     sites: list[AttentionSite] = []
-    for node in gm.graph.nodes:
+    spans = pass_spans(gm)
+    for position, node in enumerate(gm.graph.nodes):
         qkv = _qkv(node)
         if qkv is None:
             continue
@@ -217,14 +245,20 @@ def find_attention_sites(gm: fx.GraphModule) -> list[AttentionSite]:
                                        output=None, problem=problem))
             continue
         source = pq.args[0]
-        kind = "self-attention" if pk.args[0] is source and pv.args[0] is source else "cross-attention"
-        nodes = region_nodes(gm.graph, path) if path else []
+        reference = _reference_of(pk.args[0], source) if pk.args[0] is pv.args[0] else None
+        kind = ("self-attention" if (pk.args[0] is source and pv.args[0] is source) or reference is not None
+                else "cross-attention")
+        which = next((i for i, (start, stop) in enumerate(spans) if start <= position < stop), 0)
+        nodes = region_nodes(gm.graph, path, spans[which] if len(spans) > 1 else None) if path else []
         exits = region_exits(nodes)
         shape = node_shape(source)
         tokens = shape[1] if shape is not None and len(shape) == 3 else None
+        ref_shape = node_shape(reference) if reference is not None else None
         site = AttentionSite(path=path, kind=kind, form=form, anchor=node, input=source,
                              output=exits[0] if len(exits) == 1 else None, nodes=nodes,
-                             tokens=tokens if isinstance(tokens, int) else None)
+                             tokens=tokens if isinstance(tokens, int) else None, reference=reference,
+                             reference_tokens=int(ref_shape[1]) if ref_shape and isinstance(ref_shape[1], int) else None,
+                             unet_pass=which)
         if not path:
             site.problem = "no nn_module_stack metadata to scope the region"
         elif len(exits) != 1:
@@ -238,27 +272,67 @@ def find_attention_sites(gm: fx.GraphModule) -> list[AttentionSite]:
 
 
 def _first_conv(gm: fx.GraphModule) -> fx.Node | None:
-    """The U-Net's first convolution (``conv_in``): the sample is its input."""
-    return next((n for n in gm.graph.nodes if _is_call(n, _CONV_OPS)), None)
+    """The first convolution of the U-Net pass whose output the graph returns: ``conv_in`` (of the
+    last pass, when a wrapper runs its U-Net more than once per call), else the first convolution."""
+    starts = pass_starts(gm)
+    return starts[-1] if starts else None
+
+
+def pass_starts(gm: fx.GraphModule | fx.Graph) -> list[fx.Node]:
+    """The first convolution of every U-Net pass in the graph, in execution order: the convolutions
+    diffusers names ``conv_in`` (Zero123++'s wrapper runs its U-Net twice per call: the reference
+    pass over the condition latent, then the sample), else the graph's first convolution (a DiT's
+    patch embedding)."""
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    convs = [n for n in graph.nodes if _is_call(n, _CONV_OPS)]
+    named = [n for n in convs if module_path(n).rsplit(".", 1)[-1] == "conv_in"]
+    return named or convs[:1]
+
+
+def pass_spans(gm: fx.GraphModule | fx.Graph) -> list[tuple[int, int]]:
+    """Graph positions ``[start, stop)`` of each U-Net pass (one span for a single-pass graph)."""
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    starts = pass_starts(graph)
+    if len(starts) < 2:
+        return [(0, len(graph.nodes))]
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    bounds = [0] + [position[n] for n in starts[1:]] + [len(graph.nodes)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+@dataclass(frozen=True)
+class UNetPass:
+    """One U-Net pass of a graph: its latent (the first convolution's input), its token grid (that
+    convolution's output: the patch grid of a DiT) and its rows (B x F for a video U-Net)."""
+
+    latent: tuple[int, int] | None
+    grid: tuple[int, int] | None
+    rows: int | None
+
+
+def unet_passes(gm: fx.GraphModule) -> list[UNetPass]:
+    """Every U-Net pass of ``gm``, in execution order (see :func:`pass_starts`)."""
+    out = []
+    for conv in pass_starts(gm) or [None]:
+        shape = node_shape(conv.args[0]) if conv is not None else None
+        grid = node_shape(conv) if conv is not None else None
+        four = shape is not None and len(shape) == 4
+        out.append(UNetPass(
+            latent=(int(shape[2]), int(shape[3])) if four and _static(shape[2:]) else None,
+            grid=(int(grid[2]), int(grid[3])) if grid is not None and len(grid) == 4 and _static(grid[2:]) else None,
+            rows=int(shape[0]) if four and isinstance(shape[0], int) else None))
+    return out
 
 
 def latent_size(gm: fx.GraphModule) -> tuple[int, int] | None:
     """Spatial size (h, w) of the latent: the input of the first convolution (``conv_in``)."""
-    conv = _first_conv(gm)
-    shape = node_shape(conv.args[0]) if conv is not None else None
-    if shape is not None and len(shape) == 4 and _static(shape[2:]):
-        return int(shape[2]), int(shape[3])
-    return None
+    return unet_passes(gm)[-1].latent
 
 
 def token_grid(gm: fx.GraphModule) -> tuple[int, int] | None:
     """The full-resolution token grid: the output size of the first convolution — the latent for a
     U-Net (``conv_in``, stride 1), the patch grid for a DiT (PixArt's patchify conv, stride = patch)."""
-    conv = _first_conv(gm)
-    shape = node_shape(conv) if conv is not None else None
-    if shape is not None and len(shape) == 4 and _static(shape[2:]):
-        return int(shape[2]), int(shape[3])
-    return None
+    return unet_passes(gm)[-1].grid
 
 
 def sample_batch(gm: fx.GraphModule) -> int | None:
@@ -271,9 +345,7 @@ def sample_batch(gm: fx.GraphModule) -> int | None:
 def latent_batch(gm: fx.GraphModule) -> int | None:
     """Rows of the latent at ``conv_in``: the batch of an image U-Net, batch x frames of a video
     U-Net (AnimateDiff, SVD fold the frames into the batch); None when symbolic or unknown."""
-    conv = _first_conv(gm)
-    shape = node_shape(conv.args[0]) if conv is not None else None
-    return int(shape[0]) if shape is not None and len(shape) == 4 and isinstance(shape[0], int) else None
+    return unet_passes(gm)[-1].rows
 
 
 # Video U-Nets' temporal attention, by diffusers' module names: AnimateDiff's motion modules

@@ -135,10 +135,10 @@ def _variants(unet: torch.nn.Module, names: list[str], config: ToMeConfig
         elif name == "tomesd":
             import tomesd
 
-            if video_layout(unet) or is_dit(unet):
+            if not hasattr(unet, "config") or video_layout(unet) or is_dit(unet):
                 raise ToMeError(f"tomesd does not run on a {type(unet).__name__} (video U-Nets: it reads the "
-                                "frames as the image size and divides by zero; PixArt: it merges nothing); "
-                                "leave the tomesd variant out")
+                                "frames as the image size and divides by zero; PixArt: it merges nothing; "
+                                "Zero123++: it would merge the reference pass); leave the tomesd variant out")
 
             patched = copy.deepcopy(unet)
             tomesd.apply_patch(patched, ratio=config.ratio, max_downsample=config.max_downsample,
@@ -158,9 +158,14 @@ def _variants(unet: torch.nn.Module, names: list[str], config: ToMeConfig
 def run_size(unet: torch.nn.Module, size: int, args: argparse.Namespace, config: ToMeConfig,
              progress: Any) -> dict[str, Any]:
     device = torch.device(args.device)
-    inputs = example_inputs(unet, batch=args.batch, height=size, width=size, device=device, frames=args.frames)
-    kwargs = inputs.kwargs()
-    sample = kwargs.pop("hidden_states" if inputs.dit else "sample")
+    if args.model == "zero123":  # size = one view: 3 x 2 views tiled, plus the condition view
+        from tome_compile.multiview import zero123_inputs
+
+        sample, kwargs = zero123_inputs(unet, batch=args.batch, view=size, device=device)
+    else:
+        inputs = example_inputs(unet, batch=args.batch, height=size, width=size, device=device, frames=args.frames)
+        kwargs = inputs.kwargs()
+        sample = kwargs.pop("hidden_states" if inputs.dit else "sample")
     torch._dynamo.reset()
     models, backends = _variants(unet, args.variants, config)
     results = {name: VariantResult(name) for name in models}
@@ -268,7 +273,9 @@ def format_tables(result: dict[str, Any]) -> str:
         base = v.get("inductor", v.get("eager"))
         eager = v.get("eager")
         frames = f", {result['frames']} frames" if result.get("frames") else ""
-        lines.append(f"\n{result['model']} {entry['size']}x{entry['size']}{frames}, batch {result['batch']}, "
+        shape = (f"{3 * entry['size']}x{2 * entry['size']} (3 x 2 views) + a {entry['size']}² reference view"
+                 if result["model"] == "zero123" else f"{entry['size']}x{entry['size']}")
+        lines.append(f"\n{result['model']} {shape}{frames}, batch {result['batch']}, "
                      f"{result['dtype']}, ratio {result['ratio']}, {result['device']}, "
                      f"median of {result['repeats']}")
         lines.append("| variant | median s | vs inductor | vs eager | peak mem / call | first call s | sites |")
@@ -311,7 +318,13 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             block_overhead(size, args, config) for size in args.sizes]}
         return result
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    unet, description = load_unet(args.model, dtype=dtype)
+    if args.model == "zero123":  # Zero123++: its SD 2 U-Net (random weights) in the two-pass wrapper
+        from tome_compile.multiview import build_zero123
+
+        unet = build_zero123(load_unet("sd21", dtype=dtype)[0])
+        description = "Zero123++ wrapper (reference attention) around the built-in sd21 U-Net, RANDOM weights"
+    else:
+        unet, description = load_unet(args.model, dtype=dtype)
     unet = unet.to(args.device)
     print(f"model: {description}", flush=True)
     total = len(args.sizes) * len(args.variants) * (args.repeats + 1)
@@ -343,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
                "  python -m tome_compile.bench --sizes 512 --variants inductor inductor+tome oracle\n"
                "  python -m tome_compile.bench --model ./my-sd15-pipeline --device cuda --dtype fp16")
     parser.add_argument("--model", default="sd15",
-                        help="sd15 | sd21 | sdxl | animatediff | svd | pixart | a local diffusers folder")
+                        help="sd15 | sd21 | sdxl | animatediff | svd | pixart | zero123 (the Zero123++ wrapper "
+                             "around sd21: --sizes is one view's size, 320: 960 x 640 tiled) | a local diffusers folder")
     parser.add_argument("--frames", type=int, default=None, help="video U-Nets: frames per video (16 / 25)")
     parser.add_argument("--merge-blocks", default=None, metavar="LIST",
                         help="ToMeConfig.blocks, e.g. 7-20 (PixArt)")
