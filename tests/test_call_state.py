@@ -417,7 +417,7 @@ def test_5_three_way_guidance_pairs_the_rows_of_each_image(guidance, independent
 
 
 def test_5_auto_refuses_a_batch_it_cannot_pair(sd15):
-    unet, inputs = sd15
+    unet, _ = sd15
     six = tiny_inputs(unet, batch=6)
     model, backend = compile_tome(unet, method="importance", seed=0)
     with pytest.warns(ToMeWarning, match="a batch of 6 holds either 3 CFG pairs .* or 2 three-way groups"):

@@ -18,9 +18,9 @@ import torch
 
 ray = pytest.importorskip("ray")  # the test extra installs ray[serve]; skip cleanly elsewhere
 
-from tome_compile.serve.bench import free_port, post, wait_healthy  # noqa: E402
-from tome_compile.serve.engine import Engine, ServeSpec  # noqa: E402
-from tome_compile.serve.request import Limits, RequestError, parse_job  # noqa: E402
+from tome_compile.serve.bench import free_port, post, wait_healthy
+from tome_compile.serve.engine import Engine, ServeSpec
+from tome_compile.serve.request import Limits, RequestError, parse_job
 
 STEPS = 3
 BATCH = 3  # --max-batch-size of the test server: every loop runs 3 images (padded)
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def ray_processes() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
     return [line for line in out.splitlines() if any(k in line for k in ("raylet", "gcs_server", "ray::"))
             and "ps -eo" not in line]
 
@@ -67,7 +67,7 @@ def server():
             process.kill()
             process.wait(30)
     if ray_processes():  # a failed test left processes behind: stop them for the next run
-        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True)
+        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True, check=False)
 
 
 def generate(base, **body):
@@ -233,9 +233,9 @@ def test_a_tome_export_is_served_alone_or_batched_alike(tmp_path):
     """tome-serve --onnx: the shapes model's U-Net exported (tome-export --model shapes) and run
     through ToMeSession; its ratio and size are the file's."""
     from tome_compile.export import export_onnx
-    from tome_compile.models import load_unet
 
     from tome_compile import ToMeConfig
+    from tome_compile.models import load_unet
 
     unet, _ = load_unet("shapes")
     path = export_onnx(unet, tmp_path / "shapes.onnx", ToMeConfig(ratio=0.5, seed=0), batch=4, height=32, width=32,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from tome_compile.multiview import RefOnlyNoisedUNet, build_zero123
 
 # SD 2-style (linear projections, a head dim per block); the views are 4 x 4 latents: the sample

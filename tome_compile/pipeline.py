@@ -75,7 +75,7 @@ class _GenerationBar:
         self._stack.enter_context(self._open())
         return self._bar.__enter__()
 
-    def __exit__(self, *exc: Any) -> Any:
+    def __exit__(self, *exc: object) -> Any:
         try:
             return self._bar.__exit__(*exc)
         finally:

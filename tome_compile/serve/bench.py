@@ -88,7 +88,7 @@ def drive(base: str, clients: int, requests: int, body: dict[str, Any], seed0: i
         t.join()
     wall = time.perf_counter() - start
     ordered = sorted(latencies)
-    p95 = ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))] if ordered else float("nan")
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))] if ordered else float("nan")
     return {"clients": clients, "requests": clients * requests, "ok": len(latencies), "failures": failures,
             "wall_s": wall, "requests_per_s": len(latencies) / wall if wall else 0.0,
             "p50_s": statistics.median(ordered) if ordered else float("nan"), "p95_s": p95,

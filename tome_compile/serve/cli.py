@@ -154,8 +154,8 @@ def _serve(args: argparse.Namespace, spec: object, options: object) -> int:
                 serve.delete("tome")  # leave the cluster's Serve running for its other applications
             else:
                 serve.shutdown()
-        except Exception:  # noqa: BLE001 - shutting down after a failed start
-            pass
+        except Exception as e:  # noqa: BLE001 - shutting down after a failed start
+            print(f"tome-serve: shutting Serve down: {type(e).__name__}: {e}", file=sys.stderr)
         ray.shutdown()
 
 
