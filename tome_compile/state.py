@@ -262,7 +262,7 @@ class CallDriver:
         (None: no importance graph for this batch)."""
         owner = self._owner()
         if layout is not None and owner.guidance is not None and owner.guidance != layout.name:
-            logger.info("ToMe: this generation's batch is %r guidance, the importance graph pairs %r rows: "
+            logger.debug("ToMe: this generation's batch is %r guidance, the importance graph pairs %r rows: "
                         "no importance map (ToMe plans)", owner.guidance, layout.name)
             layout = None
         state, created = self._state_for(owner, model_key)

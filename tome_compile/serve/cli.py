@@ -71,6 +71,8 @@ def options_from(args: argparse.Namespace) -> tuple[object, object]:
     for name in ("batch_wait_ms", "request_timeout_s", "num_cpus_per_replica", "num_gpus_per_replica"):
         if getattr(args, name) < 0:
             raise ToMeError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
+    if not 1 <= args.max_batch_size <= 64:
+        raise ToMeError(f"--max-batch-size {args.max_batch_size} is outside [1, 64] (1 = no batching)")
     if args.max_queued < 1:
         raise ToMeError(f"--max-queued {args.max_queued} must be >= 1")
     try:
