@@ -26,6 +26,7 @@ EPILOG = """examples:
   tome-export --into ./sd15-onnx --model ./stable-diffusion-v1-5 --optimize cuda --fp16   # Optimum folder
   tome-export ad.onnx --model animatediff --frames 16 --batch 2          # video: batch and frames fixed
   tome-export pixart.onnx --model pixart --height 1024 --width 1024 --blocks 7-20 --merge-crossattn
+  tome-export z123.onnx --model ./zero123plus --multiview --height 960 --width 640   # Zero123++ (two passes)
 """
 
 
@@ -35,7 +36,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("out", nargs="?", help="output .onnx path (weights go to OUT.data beside it)")
     p.add_argument("--model", default=None,
                    help="local diffusers U-Net / PixArt transformer or pipeline folder, or sd15 | sd21 | sdxl | "
-                        "animatediff | svd | pixart (random weights), or shapes (the shipped trained model)")
+                        "animatediff | svd | pixart | zero123 (random weights), or shapes (the shipped trained model)")
+    p.add_argument("--multiview", action="store_true",
+                   help="export the U-Net inside Zero123++'s two-pass reference wrapper (inputs cond_lat and noise; "
+                        "--height/--width are the 3 x 2 tiled views, 960 x 640); implied by --model zero123")
     p.add_argument("--frames", type=int, default=None,
                    help="video U-Nets (AnimateDiff, SVD): frames per video (default 16 / 25)")
     p.add_argument("--blocks", default=None, metavar="LIST",
@@ -177,13 +181,31 @@ def _run(args: argparse.Namespace) -> int:
                         blocks=parse_blocks(args.blocks) if args.blocks is not None else None)
     if args.frames is not None and not 1 <= args.frames <= 128:
         raise _UsageError(f"--frames {args.frames} is outside [1, 128] (AnimateDiff: 16, SVD: 14 or 25)")
-    if args.model not in (*ARCHITECTURES, SHAPES) and not Path(args.model).exists():
-        raise _UsageError(f"--model {args.model!r}: no such folder, and not one of {(*ARCHITECTURES, SHAPES)}")
+    known = (*ARCHITECTURES, SHAPES, "zero123")
+    if args.model not in known and not Path(args.model).exists():
+        raise _UsageError(f"--model {args.model!r}: no such folder, and not one of {known}")
+    multiview = args.multiview or args.model == "zero123"
+    if multiview and (args.height % 24 or args.width % 16):
+        raise _UsageError(f"--height {args.height} --width {args.width}: a multi-view picture is 3 x 2 views of a "
+                          "multiple of 8 pixels each (height a multiple of 24, width of 16; Zero123++: "
+                          "--height 960 --width 640)")
+    if multiview and args.into:
+        raise _UsageError("--into replaces the U-Net of an Optimum Stable Diffusion folder; a multi-view export "
+                          "(cond_lat, noise inputs) has no such folder: give OUT instead")
+    if multiview and args.model in (*ARCHITECTURES, SHAPES):
+        raise _UsageError(f"--multiview wraps a local Zero123++ U-Net or pipeline folder (or use --model zero123), "
+                          f"not --model {args.model}")
 
     steps = ["load", "trace", "rewrite", "convert", "inventory", "parity"] + (["optimize"] if args.optimize else []) + ["write"]
     with tqdm(total=len(steps), desc="tome-export", unit="step", file=sys.stderr) as bar:
         bar.set_postfix_str("loading the U-Net")
-        unet, description = load_unet(args.model, dtype=torch.float16 if args.fp16 else torch.float32)
+        dtype = torch.float16 if args.fp16 else torch.float32
+        if multiview:
+            from tome_compile.multiview import load_multiview
+
+            unet, description = load_multiview(args.model, dtype=dtype)
+        else:
+            unet, description = load_unet(args.model, dtype=dtype)
         print(f"model: {description}", flush=True)
         bar.update(1)
 

@@ -38,6 +38,7 @@ from tome_compile.export.inventory import InventoryReport, check_op_inventory
 from tome_compile.passes import PLAN_SLOTS, PLAN_WEIGHTS, ToMeResult, find_unet_io, merge_self_attention
 from tome_compile.passes.merge_self_attention import nothing_rewritten
 from tome_compile.passes.sites import node_shape as _sites_node_shape
+from tome_compile.passes.sites import pass_starts
 from torch import fx
 
 from tome_compile.config import ToMeConfig
@@ -222,21 +223,50 @@ def check_opset(opset: int) -> int:
     return opset
 
 
-def _attention_count(unet: torch.nn.Module, gm: fx.GraphModule) -> int:
-    """The attention layers (diffusers ``Attention`` modules) that must each become one fused node:
-    all but those with a mask (PixArt's text mask on cross-attention keeps the plain ONNX
-    translation: MultiHeadAttention's bias cannot broadcast over the queries)."""
+def _sdpa_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is torch.ops.aten.scaled_dot_product_attention.default]
+
+
+def _drop_dead_code(gm: fx.GraphModule) -> int:
+    """Remove what no output reads (the multi-view wrapper's write pass after its last stored
+    reference: the exporter would drop it too) and the metadata asserts and inference dropouts that
+    would keep it alive.
+    Returns how many attention calls went."""
+    before = len(_sdpa_nodes(gm))
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+
+    def impure(node: fx.Node) -> bool:  # "seeded" ops that draw nothing here: inference dropout, attention
+        if node.target is torch.ops.aten.dropout.default and len(node.args) > 2 and node.args[2] is False:
+            return False
+        if node.target is torch.ops.aten.scaled_dot_product_attention.default \
+                and (node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)) == 0.0:
+            return False
+        return node.is_impure()
+
+    gm.graph.eliminate_dead_code(is_impure_node=impure)
+    gm.recompile()
+    return before - len(_sdpa_nodes(gm))
+
+
+def _attention_count(unet: torch.nn.Module, gm: fx.GraphModule, dead: int = 0) -> int:
+    """The attention layers (diffusers ``Attention`` modules, once per U-Net pass, less ``dead``
+    ones nothing reads) that must each become one fused node: all but those with a mask (PixArt's
+    text mask on cross-attention keeps the plain ONNX translation: MultiHeadAttention's bias cannot
+    broadcast over the queries)."""
     from diffusers.models.attention_processor import Attention
 
-    masked = sum(1 for n in gm.graph.nodes if n.op == "call_function"
-                 and n.target is torch.ops.aten.scaled_dot_product_attention.default
-                 and (len(n.args) > 3 and n.args[3] is not None or n.kwargs.get("attn_mask") is not None))
-    return sum(isinstance(m, Attention) for m in unet.modules()) - masked
+    masked = sum(1 for n in _sdpa_nodes(gm) if len(n.args) > 3 and n.args[3] is not None
+                 or n.kwargs.get("attn_mask") is not None)
+    passes = len(pass_starts(gm)) or 1  # the multi-view wrapper runs its U-Net twice
+    return sum(isinstance(m, Attention) for m in unet.modules()) * passes - dead - masked
 
 
 # The U-Net inputs with a batch axis (dynamic in the export); the timestep ([1]) and ToMe inputs
 # have none (plan_every's flat plan state grows with the batch: its one axis is dynamic too).
-PER_IMAGE_INPUTS = ("sample", "encoder_hidden_states", "text_embeds", "time_ids")
+PER_IMAGE_INPUTS = ("sample", "encoder_hidden_states", "text_embeds", "time_ids", "cond_lat", "noise")
 _FLAT_STATE = (PLAN_SLOTS, PLAN_WEIGHTS)
 
 
@@ -256,6 +286,14 @@ def _trace(unet: torch.nn.Module, args: tuple[torch.Tensor, ...], sdxl: bool, in
         kwargs["added_cond_kwargs"] = {"text_embeds": inputs.text_embeds, "time_ids": inputs.time_ids}
     if inputs.added_time_ids is not None:  # SVD
         kwargs["added_time_ids"] = inputs.added_time_ids
+    if inputs.cond_lat is not None:  # the multi-view wrapper (MultiViewExport): five positional inputs
+        shapes = None
+        if dynamic:
+            batch = torch.export.Dim.DYNAMIC
+            shapes = ({0: batch}, None, {0: batch}, {0: batch}, {0: batch})
+        with torch.no_grad():
+            ep = torch.export.export(unet, args, dynamic_shapes=shapes)
+        return _plain_graph_module(ep)
     if inputs.dit:  # PixArt: every input by name, in the order of the graph's inputs
         kwargs = {**{k: v for k, v in inputs.kwargs().items() if k != "hidden_states"}, **kwargs}
         with torch.no_grad():
@@ -402,6 +440,7 @@ def export_onnx(
     gm = _trace(unet, args, sdxl, inputs, dynamic)
     _drop_noop_squeezes(gm)
     _promote_mixed_concats(gm)
+    dead_attentions = _drop_dead_code(gm)
     times["trace"] = time.perf_counter() - start
     unet_io = find_unet_io(gm)  # the noise output's channel axis and noise channels: the importance map reads them
 
@@ -414,7 +453,7 @@ def export_onnx(
     if not oracle and (why := nothing_rewritten(result, config)) is not None:
         raise ToMeExportError(f"{why} — nothing to export with ToMe (--ratio 0 exports the plain U-Net)")
     _assert_no_scatter_mean(gm)
-    attentions = _attention_count(unet, gm)
+    attentions = _attention_count(unet, gm, dead_attentions)
     extra = _example_tome_inputs(result, seed)
     input_names = names + result.input_names
 
@@ -444,6 +483,10 @@ def export_onnx(
         "unet_config": {k: v for k, v in dict(unet.config).items() if not k.startswith("_")},
         "dtype": "float16" if fp16 else "float32",
     }
+    if inputs.cond_lat is not None:
+        meta["multiview"] = {"cond_lat": list(inputs.cond_lat.shape[1:]), "passes": len(pass_starts(gm)),
+                             "is_cfg_guidance": bool(getattr(unet, "is_cfg_guidance", False)),
+                             "noise": "input (ToMeSession draws it with torch.randn_like when not given)"}
 
     parent = out.parent if str(out.parent) else Path(".")
     sweep_stale_partials(out)

@@ -55,6 +55,7 @@ _NEEDS = {"encoder_hidden_states": "encoder_hidden_states [B, L, D] (the text em
           "text_embeds": "added_cond_kwargs['text_embeds'] (SDXL's pooled text embedding)",
           "time_ids": "added_cond_kwargs['time_ids'] (SDXL's size and crop conditioning)",
           "added_time_ids": "added_time_ids (SVD: fps, motion bucket, noise augmentation per video)",
+          "cond_lat": "cross_attention_kwargs={'cond_lat': ...} (multi-view: the condition view's latent)",
           "resolution": "added_cond_kwargs['resolution'] (PixArt-α 1024)",
           "aspect_ratio": "added_cond_kwargs['aspect_ratio'] (PixArt-α 1024)"}
 
@@ -227,6 +228,9 @@ class ToMeSession:
         """Every model input of this call by name: each keyword fed to an input of the file, or
         refused with one line (never silently dropped); a missing required one named."""
         given: dict[str, Any] = {"sample": sample, "encoder_hidden_states": encoder_hidden_states}
+        named = dict(named)
+        if "cond_lat" in self._model_inputs and isinstance(named.get("cross_attention_kwargs"), dict):
+            named.update(self._multiview_kwargs(named.pop("cross_attention_kwargs")))
         for source, values in (("", named), ("added_cond_kwargs", added_cond_kwargs or {})):
             for name, value in values.items():
                 if value is None or (name == "cross_attention_kwargs" and value == {}):
@@ -242,6 +246,8 @@ class ToMeSession:
                 raise ToMeExportError(f"this export has no {what}, but {where} was given: it would be ignored; "
                                       f"the export takes {', '.join(self._model_inputs)} (run this model "
                                       "through torch.compile(backend=tome_backend(...)) for the others)")
+        if "noise" in self._model_inputs and given.get("noise") is None and given.get("cond_lat") is not None:
+            given["noise"] = self._condition_noise(given["cond_lat"])
         if "encoder_attention_mask" in self._model_inputs and "encoder_attention_mask" not in given \
                 and isinstance(encoder_hidden_states, (torch.Tensor, np.ndarray)):  # PixArt: all tokens
             given["encoder_attention_mask"] = np.ones(encoder_hidden_states.shape[:2], dtype=np.float32)
@@ -249,6 +255,33 @@ class ToMeSession:
             if name != "timestep" and given.get(name) is None and name in self._required:
                 raise ToMeExportError(f"this export needs {_NEEDS.get(name, name)}; it was not given")
         return {name: value for name, value in given.items() if value is not None}
+
+    def _multiview_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A multi-view export called as Zero123++'s pipeline calls its wrapper:
+        ``cross_attention_kwargs={"cond_lat": ..., "is_cfg_guidance": ...}``."""
+        out = {}
+        for key, value in kwargs.items():
+            if key == "is_cfg_guidance":
+                exported = bool(self.meta.get("multiview", {}).get("is_cfg_guidance", False))
+                if bool(value) != exported:
+                    raise ToMeExportError(f"cross_attention_kwargs['is_cfg_guidance']={bool(value)}, but this "
+                                          f"export was made with is_cfg_guidance={exported}; export it again "
+                                          "with MultiViewExport(wrapper, is_cfg_guidance=...)")
+            elif key in ("cond_lat", "noise"):
+                out[key] = value
+            else:
+                raise ToMeExportError(f"cross_attention_kwargs[{key!r}] is not an input of this multi-view export "
+                                      "(it takes cond_lat, optionally noise, and is_cfg_guidance as exported)")
+        return out
+
+    @staticmethod
+    def _condition_noise(cond_lat: Any) -> Any:
+        """The condition latent's noise, drawn as the wrapper draws it: ``torch.randn_like`` on the
+        global RNG (so a seeded pipeline gives the same numbers as the PyTorch wrapper)."""
+        if isinstance(cond_lat, torch.Tensor):
+            return torch.randn_like(cond_lat)
+        array = np.asarray(cond_lat)
+        return torch.randn(array.shape, dtype=torch.float32).numpy().astype(array.dtype)
 
     def _check_batch(self, feed: dict[str, Any]) -> None:
         """Inputs with a dynamic batch axis must have the sample's batch (ORT would say it deep

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from zero123_reference import tiny_zero123, tiny_zero123_inputs, tomesd_reference
@@ -104,3 +105,115 @@ def test_importance_uses_the_tiled_views_map_and_plans_are_reused(zero123):
     assert state.map.shape == (1, 12, 8)  # one map per CFG pair over the 12 x 8 tiled latent
     assert torch.allclose(state.map, importance_map(outs[-1]))
     assert state.plans_made == 3  # fallback step plans; first step with a map plans afresh; then every 2
+
+
+# --- the exportable form and the ONNX export ----------------------------------------------------
+
+
+def test_the_exportable_form_equals_the_wrapper_with_its_schedulers(zero123):
+    """MultiViewExport computes add_noise + scale_model_input in closed form; called as the pipeline
+    calls the wrapper (the scheduler's step index at the call's timestep), the outputs agree."""
+    from diffusers import EulerDiscreteScheduler
+
+    from tome_compile.errors import ToMeModelError
+    from tome_compile.multiview import MultiViewExport, build_zero123
+
+    wrapper, (sample, kwargs) = copy.deepcopy(zero123[0]), zero123[1]
+    exportable = MultiViewExport(wrapper)
+    cond = kwargs["cross_attention_kwargs"]["cond_lat"]
+    for i, t in enumerate(wrapper.val_sched.timesteps):
+        wrapper.val_sched._step_index = i  # where the pipeline's scheduler.step() has brought it
+        torch.manual_seed(i)
+        noise = torch.randn_like(cond)
+        torch.manual_seed(i)
+        with torch.no_grad():
+            expected = wrapper(sample, t.reshape(1).long(), **kwargs).sample
+            ours = exportable(sample, t.reshape(1), kwargs["encoder_hidden_states"], cond, noise)[0]
+        assert (ours - expected).abs().max() < 1e-5
+    # Karras sigmas: the timesteps are set from the sigmas, so the closed form still holds
+    karras = EulerDiscreteScheduler(use_karras_sigmas=True, timestep_spacing="trailing")
+    MultiViewExport(build_zero123(copy.deepcopy(wrapper.unet), steps=4, scheduler=karras))
+    # negative: sigmas that are not the training sigmas at the scheduler's timesteps are refused
+    other = build_zero123(copy.deepcopy(wrapper.unet), steps=4)
+    other.val_sched.sigmas = other.val_sched.sigmas * 1.1
+    with pytest.raises(ToMeModelError, match="not its training sigmas interpolated"):
+        MultiViewExport(other)
+
+
+@pytest.fixture(scope="module")
+def zero123_export(zero123, tmp_path_factory):
+    """tome-export --multiview of the tiny model's U-Net folder (random destinations drawn by the
+    caller: bit-exact with the backend)."""
+    from tome_compile.export.cli import main
+
+    folder = tmp_path_factory.mktemp("z123")
+    zero123[0].unet.save_pretrained(folder / "unet")
+    zero123[0].val_sched.save_pretrained(folder / "scheduler")
+    out = folder / "z123.onnx"
+    assert main([str(out), "--model", str(folder), "--multiview", "--height", "96", "--width", "64", "--seq-len", "7",
+                 "--partition-input", "--no-cuda-check"]) == 0
+    return out
+
+
+def test_export_structure_and_session_equals_the_compiled_wrapper(zero123, zero123_export):
+    import onnx
+
+    from tome_compile.export import ToMeSession
+    from tome_compile.export.attention import CONTRIB_DOMAIN
+    from tome_compile.multiview import MultiViewExport
+
+    session = ToMeSession(zero123_export, seed=3)
+    meta = session.meta
+    assert meta["inputs"][:5] == ["sample", "timestep", "encoder_hidden_states", "cond_lat", "noise"]
+    assert meta["multiview"]["passes"] == 2 and meta["multiview"]["cond_lat"] == [4, 4, 4]
+    rewritten = [line for line in meta["sites"] if "rewritten" in line]
+    assert [line.split()[0] for line in rewritten] == READ_SITES
+    assert all("self-attention + reference  96 -> 48 tokens" in line and "16 reference tokens kept" in line
+               for line in rewritten)
+    model = onnx.load(str(zero123_export), load_external_data=False)
+    # 8 attentions per pass, less the write pass's last block (attn1's output and attn2: nothing reads them)
+    assert sum(n.op_type == "MultiHeadAttention" and n.domain == CONTRIB_DOMAIN for n in model.graph.node) == 14
+
+    wrapper, (sample, kwargs) = zero123
+    compiled = torch.compile(MultiViewExport(copy.deepcopy(wrapper)),
+                             backend=tome_backend(0.5, compiler="eager", seed=3))
+    cond, ehs = kwargs["cross_attention_kwargs"]["cond_lat"], kwargs["encoder_hidden_states"]
+    plain = MultiViewExport(copy.deepcopy(wrapper))
+    with generation(), torch.no_grad():
+        for i, t in enumerate([999, 749, 499]):
+            torch.manual_seed(i)  # the session draws the condition's noise as the wrapper: randn_like
+            ours = session(sample, t, ehs, cross_attention_kwargs={"cond_lat": cond}).sample
+            torch.manual_seed(i)
+            noise = torch.randn_like(cond)
+            expected = compiled(sample, torch.tensor([float(t)]), ehs, cond, noise)[0]
+            assert (ours - expected).abs().max() < 1e-4
+            assert (ours - plain(sample, torch.tensor([float(t)]), ehs, cond, noise)[0]).abs().max() > 1e-3
+    # NumPy in (diffusers' ONNX pipelines), one image, noise given by the caller
+    one = session(sample[:1].numpy(), np.array([999.0], dtype=np.float32), ehs[:1].numpy(), cond_lat=cond[:1].numpy(),
+                  noise=np.zeros((1, 4, 4, 4), dtype=np.float32))
+    assert one[0].shape == (1, 4, 12, 8) and np.isfinite(one[0]).all()
+
+
+def test_session_refuses_a_multiview_call_without_its_condition(zero123, zero123_export):
+    from tome_compile.errors import ToMeExportError
+    from tome_compile.export import ToMeSession
+
+    session = ToMeSession(zero123_export, seed=0)
+    sample, kwargs = zero123[1]
+    ehs, cond = kwargs["encoder_hidden_states"], kwargs["cross_attention_kwargs"]["cond_lat"]
+    with pytest.raises(ToMeExportError, match="cond_lat"):
+        session(sample, 999, ehs)
+    with pytest.raises(ToMeExportError, match="is_cfg_guidance"):
+        session(sample, 999, ehs, cross_attention_kwargs={"cond_lat": cond, "is_cfg_guidance": True})
+    with pytest.raises(ToMeExportError, match="'scale'"):
+        session(sample, 999, ehs, cross_attention_kwargs={"cond_lat": cond, "scale": 0.5})
+    with pytest.raises(ToMeExportError, match="cond_lat has batch 1"):
+        session(sample, 999, ehs, cross_attention_kwargs={"cond_lat": cond[:1]})
+
+
+def test_cli_refuses_a_multiview_size_that_is_not_3_by_2_views(tmp_path, capsys):
+    from tome_compile.export.cli import main
+
+    assert main([str(tmp_path / "z.onnx"), "--model", "zero123", "--height", "512", "--width", "512"]) == 2
+    assert "height a multiple of 24" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

@@ -146,12 +146,14 @@ class UNetInputs:
     encoder_attention_mask: torch.Tensor | None = None
     resolution: torch.Tensor | None = None
     aspect_ratio: torch.Tensor | None = None
+    cond_lat: torch.Tensor | None = None  # multi-view (Zero123++): the condition view's latent
+    noise: torch.Tensor | None = None  # and the noise the wrapper adds to it
 
     def args(self) -> tuple[torch.Tensor, ...]:
         """In ``unet_input_names`` order (the order of the exported graph's inputs)."""
         extra = () if self.text_embeds is None else (self.text_embeds, self.time_ids)
         extra += tuple(t for t in (self.added_time_ids, self.encoder_attention_mask, self.resolution,
-                                   self.aspect_ratio) if t is not None)
+                                   self.aspect_ratio, self.cond_lat, self.noise) if t is not None)
         return (self.sample, self.timestep, self.encoder_hidden_states) + extra
 
     def kwargs(self) -> dict[str, Any]:
@@ -188,7 +190,7 @@ def unet_input_names(unet: torch.nn.Module) -> list[str]:
     if is_dit(unet):
         names += ["encoder_attention_mask"]
         names += ["resolution", "aspect_ratio"] if getattr(unet, "use_additional_conditions", False) else []
-    return names
+    return names + list(getattr(unet, "extra_inputs", ()))  # multi-view: cond_lat, noise
 
 
 def _spatial_scale(unet: torch.nn.Module) -> int:
@@ -202,7 +204,19 @@ def example_inputs(unet: torch.nn.Module, *, batch: int = 2, height: int = 512, 
                    seq_len: int = 77, seed: int = 0, device: str | torch.device = "cpu",
                    dtype: torch.dtype | None = None, frames: int | None = None) -> UNetInputs:
     """Random inputs of the right shapes for ``unet`` at an image size of ``height × width``
-    (video U-Nets: ``frames`` per video, as their pipelines call them)."""
+    (video U-Nets: ``frames`` per video, as their pipelines call them; the multi-view wrapper: the
+    3 x 2 tiled views, the condition view's latent and its noise)."""
+    if getattr(unet, "extra_inputs", None) == ("cond_lat", "noise"):
+        if height % 24 or width % 16:
+            raise ToMeModelError(f"height={height}, width={width}: a multi-view picture is 3 x 2 views of a "
+                                 "multiple of 8 pixels each (height a multiple of 24, width of 16; Zero123++: 960 x 640)")
+        inputs = example_inputs(unet.unet, batch=batch, height=height, width=width, seq_len=seq_len, seed=seed,
+                                device=device, dtype=dtype)
+        g = torch.Generator().manual_seed(seed + 1)
+        shape = (batch, unet.config.in_channels, height // 24, width // 16)
+        inputs.cond_lat, inputs.noise = (torch.randn(shape, generator=g).to(device, inputs.sample.dtype)
+                                         for _ in range(2))
+        return inputs
     cfg = unet.config
     dtype = dtype or next(unet.parameters()).dtype
     scale = _spatial_scale(unet)

@@ -18,7 +18,10 @@ from typing import Any
 import torch
 from diffusers.models.attention_processor import AttnProcessor2_0
 
-__all__ = ["RefOnlyNoisedUNet", "ReferenceOnlyAttnProc", "build_zero123", "zero123_inputs"]
+from tome_compile.errors import ToMeModelError
+
+__all__ = ["MultiViewExport", "RefOnlyNoisedUNet", "ReferenceOnlyAttnProc", "build_zero123", "load_multiview",
+           "two_passes", "zero123_inputs"]
 
 
 class ReferenceOnlyAttnProc:
@@ -64,23 +67,134 @@ class RefOnlyNoisedUNet(torch.nn.Module):
         noise = torch.randn_like(cond_lat)
         noisy = self.train_sched.add_noise(cond_lat, noise, timestep.reshape(-1))
         noisy = self.val_sched.scale_model_input(noisy, timestep.reshape(-1))
-        ref_dict: dict[str, torch.Tensor] = {}
-        cond_states = encoder_hidden_states[1:] if is_cfg_guidance else encoder_hidden_states
-        self.unet(noisy, timestep, encoder_hidden_states=cond_states, class_labels=class_labels,
-                  cross_attention_kwargs={"mode": "w", "ref_dict": ref_dict}, **kwargs)
-        return self.unet(sample, timestep, encoder_hidden_states, class_labels=class_labels,
-                         cross_attention_kwargs={"mode": "r", "ref_dict": ref_dict,
-                                                 "is_cfg_guidance": is_cfg_guidance}, **kwargs)
+        return two_passes(self.unet, noisy, sample, timestep, encoder_hidden_states, class_labels, is_cfg_guidance,
+                          **kwargs)
 
 
-def build_zero123(unet: torch.nn.Module, steps: int = 28) -> RefOnlyNoisedUNet:
-    """The wrapper around ``unet`` with Zero123++'s schedulers (DDPM to noise the condition latent,
-    Euler ancestral to scale it; ``steps`` of the pipeline)."""
+def two_passes(unet: torch.nn.Module, noisy_cond_lat: torch.Tensor, sample: torch.Tensor, timestep: torch.Tensor,
+               encoder_hidden_states: torch.Tensor, class_labels: torch.Tensor | None = None,
+               is_cfg_guidance: bool = False, **kwargs: Any) -> Any:
+    """The wrapper's two U-Net passes: "w" over the noised condition latent (every ``attn1``
+    stores its input), then "r" over the sample (keys and values read the stored reference)."""
+    ref_dict: dict[str, torch.Tensor] = {}
+    cond_states = encoder_hidden_states[1:] if is_cfg_guidance else encoder_hidden_states
+    unet(noisy_cond_lat, timestep, encoder_hidden_states=cond_states, class_labels=class_labels,
+         cross_attention_kwargs={"mode": "w", "ref_dict": ref_dict}, **kwargs)
+    return unet(sample, timestep, encoder_hidden_states, class_labels=class_labels,
+                cross_attention_kwargs={"mode": "r", "ref_dict": ref_dict, "is_cfg_guidance": is_cfg_guidance},
+                **kwargs)
+
+
+class MultiViewExport(torch.nn.Module):
+    """The Zero123++ wrapper in an exportable form: every input explicit, nothing data-dependent.
+
+    ``forward(sample, timestep, encoder_hidden_states, cond_lat, noise)`` runs what the wrapper runs
+    per call, with the noise of the condition latent an input (the wrapper draws it with
+    ``torch.randn_like``: a random op would break parity with PyTorch) and the two scheduler calls
+    in closed form: the training scheduler's ``add_noise`` (``sqrt(ac[t]) x + sqrt(1 - ac[t]) n``)
+    and the pipeline scheduler's ``scale_model_input`` (divide by ``sqrt(sigma(t)^2 + 1)``, sigma
+    interpolated over the training sigmas at ``t`` as Euler schedulers set theirs) — the
+    scheduler's own code looks the step up with ``nonzero`` / ``.item()``, which no exporter keeps.
+    The closed form is checked against the scheduler's sigmas at construction.
+
+    Args:
+        wrapper: the pipeline's wrapper (anything with ``unet``, ``train_sched``, ``val_sched``:
+            Zero123++'s ``RefOnlyNoisedUNet`` or :class:`RefOnlyNoisedUNet`), after ``prepare()``.
+        is_cfg_guidance: the wrapper's flag: the first (unconditional) row reads no reference.
+    """
+
+    extra_inputs = ("cond_lat", "noise")
+
+    def __init__(self, wrapper: Any, *, is_cfg_guidance: bool = False) -> None:
+        super().__init__()
+        self.unet, self.is_cfg_guidance = wrapper.unet, is_cfg_guidance
+        train, val = wrapper.train_sched, wrapper.val_sched
+        ac = train.alphas_cumprod.to(torch.float64)
+        self.register_buffer("sqrt_ac", ac.sqrt().float(), persistent=False)
+        self.register_buffer("sqrt_one_minus_ac", (1 - ac).sqrt().float(), persistent=False)
+        val_ac = val.alphas_cumprod.to(torch.float64)
+        sigmas = ((1 - val_ac) / val_ac).sqrt()
+        self.register_buffer("sigmas", sigmas.float(), persistent=False)
+        timesteps = getattr(val, "timesteps", None)
+        if timesteps is not None and hasattr(val, "sigmas") and len(val.sigmas) == len(timesteps) + 1:
+            ours = self.sigma(timesteps.to(torch.float32).reshape(-1)).double()
+            theirs = val.sigmas[:-1].to(torch.float64)
+            if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-6):
+                worst = float((ours - theirs).abs().max())
+                raise ToMeModelError(f"{type(val).__name__}'s sigmas are not its training sigmas interpolated at "
+                                     f"its timesteps (max difference {worst:.3g}): the exportable form computes "
+                                     "scale_model_input in that closed form; use the pipeline's default "
+                                     "scheduler (Euler ancestral)")
+
+    @property
+    def config(self) -> Any:
+        return self.unet.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.unet.dtype
+
+    def sigma(self, timestep: torch.Tensor) -> torch.Tensor:
+        """The pipeline scheduler's sigma at ``timestep`` (float, [n]): linear interpolation over
+        the training sigmas, as Euler schedulers compute theirs."""
+        t = timestep.to(torch.float32).clamp(0, len(self.sigmas) - 1)
+        low = t.floor().clamp(max=len(self.sigmas) - 2)
+        frac = t - low
+        low = low.long()
+        return self.sigmas[low] * (1 - frac) + self.sigmas[low + 1] * frac
+
+    def noised_condition(self, cond_lat: torch.Tensor, noise: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        """``val_sched.scale_model_input(train_sched.add_noise(cond_lat, noise, t), t)``, closed form."""
+        t = timestep.reshape(-1).to(torch.float32)
+        index = t.round().long().clamp(0, len(self.sqrt_ac) - 1)
+        shape = (-1,) + (1,) * (cond_lat.dim() - 1)
+        noisy = (self.sqrt_ac[index].reshape(shape) * cond_lat.float()
+                 + self.sqrt_one_minus_ac[index].reshape(shape) * noise.float())
+        scale = (self.sigma(t) ** 2 + 1).rsqrt().reshape(shape)
+        return (noisy * scale).to(cond_lat.dtype)
+
+    def forward(self, sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                cond_lat: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor]:
+        noisy = self.noised_condition(cond_lat, noise, timestep)
+        out = two_passes(self.unet, noisy, sample, timestep, encoder_hidden_states,
+                         is_cfg_guidance=self.is_cfg_guidance, return_dict=False)
+        return (out[0],)
+
+
+def build_zero123(unet: torch.nn.Module, steps: int = 28, scheduler: Any = None) -> RefOnlyNoisedUNet:
+    """The wrapper around ``unet`` as Zero123++'s ``prepare()`` builds it: ``scheduler`` (default
+    Euler ancestral, trailing spacing) scales the condition latent, a DDPM scheduler of the same
+    config noises it; ``steps`` of the pipeline."""
     from diffusers import DDPMScheduler, EulerAncestralDiscreteScheduler
 
-    val = EulerAncestralDiscreteScheduler(timestep_spacing="trailing")
+    val = scheduler if scheduler is not None else EulerAncestralDiscreteScheduler(timestep_spacing="trailing")
     val.set_timesteps(steps)
-    return RefOnlyNoisedUNet(unet, DDPMScheduler(), val).eval()
+    return RefOnlyNoisedUNet(unet, DDPMScheduler.from_config(val.config), val).eval()
+
+
+def load_multiview(spec: str, *, dtype: torch.dtype = torch.float32) -> tuple[MultiViewExport, str]:
+    """``"zero123"`` (the built-in SD 2 U-Net, random weights) or a local folder (a U-Net, or a
+    Zero123++ pipeline folder: its ``unet/`` and its ``scheduler/`` config) in the exportable form
+    of the two-pass wrapper."""
+    from pathlib import Path
+
+    from tome_compile.models import load_unet
+
+    if spec == "zero123":
+        unet, description = load_unet("sd21", dtype=dtype)
+        description = "Zero123++ wrapper around the built-in sd21 architecture with RANDOM weights"
+        scheduler = None
+    else:
+        unet, description = load_unet(spec, dtype=dtype)
+        folder = Path(spec) / "scheduler"
+        scheduler = None
+        if (folder / "scheduler_config.json").is_file():
+            from diffusers import EulerAncestralDiscreteScheduler
+
+            scheduler = EulerAncestralDiscreteScheduler.from_pretrained(folder, local_files_only=True)
+        description = f"Zero123++ wrapper around the {description}" + (
+            f", scheduler {folder}" if scheduler is not None else ", default Euler ancestral scheduler")
+    return MultiViewExport(build_zero123(unet, scheduler=scheduler)), description
 
 
 def zero123_inputs(wrapper: RefOnlyNoisedUNet, *, batch: int = 2, view: int = 320, seq_len: int = 77, seed: int = 0,
