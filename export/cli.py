@@ -18,6 +18,9 @@ from tome_compile.errors import ToMeError
 
 __all__ = ["main"]
 
+# One INFO line per stage as it starts (silent by default): the memory benchmark's stage clock
+_stages = logging.getLogger("tome_compile.export.stage")
+
 EPILOG = """examples:
   tome-export unet_tome.onnx --model sd15                      # built-in SD 1.5 architecture, random weights
   tome-export out/unet.onnx --model ./stable-diffusion-v1-5 --height 768 --width 768
@@ -199,6 +202,7 @@ def _run(args: argparse.Namespace) -> int:
     steps = ["load", "trace", "rewrite", "convert", "inventory", "parity"] + (["optimize"] if args.optimize else []) + ["write"]
     with tqdm(total=len(steps), desc="tome-export", unit="step", file=sys.stderr) as bar:
         bar.set_postfix_str("loading the U-Net")
+        _stages.info("loading the U-Net")
         dtype = torch.float16 if args.fp16 else torch.float32
         if multiview:
             from tome_compile.multiview import load_multiview
@@ -211,6 +215,7 @@ def _run(args: argparse.Namespace) -> int:
 
         def step(message: str) -> None:
             _check_interrupted()
+            _stages.info("%s", message)
             bar.set_postfix_str(message)
             bar.update(1) if bar.n < bar.total - 1 else None
 

@@ -342,10 +342,11 @@ def _postprocess(program: Any, result: ToMeResult, fp16: bool, attentions: int, 
                  dynamic: bool) -> dict[str, Any]:
     """fp16 scatter in float32, optional ToMe inputs, and the fused-attention count check."""
     from tome_compile.export.attention import CONTRIB_DOMAIN
-    from tome_compile.export.onnx_graph import count_ops, keep_scatter_fp32, set_input_defaults
+    from tome_compile.export.onnx_graph import count_ops, keep_scatter_fp32, narrow_scatter_indices, set_input_defaults
 
     model = program.model
     wrapped = keep_scatter_fp32(model) if fp16 else 0
+    narrowed = narrow_scatter_indices(model)
     # seed 0; "no map yet": has_map False and zeros (the fallback branch runs; a static batch keeps
     # the declared size: ORT refuses a default of another shape, so an importance export of batch 4
     # or of a video's B x F pairs needs all its rows); "no plans yet": reuse False and empty plans
@@ -359,7 +360,8 @@ def _postprocess(program: Any, result: ToMeResult, fp16: bool, attentions: int, 
         raise ToMeExportError(f"{fused} of the U-Net's {attentions} attentions became MultiHeadAttention "
                               "(a processor without scaled_dot_product_attention?); pass --portable "
                               "to export plain ONNX attention")
-    return {"fp32_scatters": wrapped, "optional_inputs": optional, "fused_attention": fused}
+    return {"fp32_scatters": wrapped, "int32_scatter_indices": narrowed, "optional_inputs": optional,
+            "fused_attention": fused}
 
 
 def export_onnx(

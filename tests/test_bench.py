@@ -39,3 +39,25 @@ def test_bench_refuses_tomesd_where_it_does_not_run(capsys, monkeypatch):
         monkeypatch.setattr(bench, "load_unet", lambda *a, m=model, **k: (m, "tiny"))
         assert main(["--sizes", "128", "--repeats", "1", "--variants", "tomesd", "--no-blocks"]) == 2
         assert "tomesd does not run on a " + type(model).__name__ in capsys.readouterr().err
+
+
+def test_memory_bench_measures_in_fresh_processes(tmp_path):
+    """bench_memory: a tome-export run in a subprocess with its stages clocked, and one ONNX Runtime
+    call per file in a fresh process (a failing export reported, not hidden)."""
+    from tome_compile.export.bench_memory import measure_call, measure_export
+
+    folder = tmp_path / "tiny"
+    tiny_unet("sd15").save_pretrained(folder)
+    out = tmp_path / "t.onnx"
+    result = measure_export([str(out), "--model", str(folder), "--height", "64", "--width", "64", "--seq-len", "7",
+                             "--no-cuda-check"])
+    assert result["returncode"] == 0 and out.is_file()
+    names = [s["stage"] for s in result["stages"]]
+    assert names[1] == "loading the U-Net" and any(n.startswith("converting to ONNX") for n in names)
+    assert names[-1].startswith("writing") and all(s["seconds"] >= 0 for s in result["stages"])
+    assert result["peak_gb"] >= max(s["peak_gb"] for s in result["stages"]) > 0.1  # Python + torch at least
+    row = measure_call(out, batch=2, rounds=2)
+    assert len(row["peaks_gb"]) == 2 and row["median_s"] > 0 and row["resting_gb"] > 0.1
+    # negative: a refused export is an exit code, not a table of zeros
+    bad = measure_export([str(tmp_path / "x.onnx"), "--model", str(folder), "--height", "60"])
+    assert bad["returncode"] == 2 and "multiple of 8" in bad["stderr_tail"] and not (tmp_path / "x.onnx").exists()

@@ -8,6 +8,7 @@ from tomesd.merge import bipartite_soft_matching_random2d
 
 from tome_compile.merge import (
     destination_partition,
+    gather_rows,
     merge_tokens,
     oracle_merge,
     oracle_unmerge,
@@ -107,3 +108,33 @@ def test_matching_in_blocks_never_holds_the_whole_score_matrix():
 
     assert products(a, b) == 13  # the traced graph holds 13 products of [<= 24, 100] scores
     assert products(a[:, :10], b[:, :5]) == 1  # negative: scores no larger than the features: one product
+
+
+def test_gather_rows_equals_gather_and_exports_without_an_expanded_index(tmp_path):
+    """The unmerge and the metric gathers read rows by number: the same numbers as gather with an
+    expanded index, and in ONNX one Gather of B x N row numbers (no [B, N, C] int64 index, which
+    ONNX Runtime would materialise: twice an fp32 activation)."""
+    import onnx
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 7, 5, generator=g)
+    index = torch.randint(0, 7, (3, 11), generator=g)
+    expected = x.gather(1, index.unsqueeze(-1).expand(3, 11, 5))
+    assert torch.equal(gather_rows(x, index), expected)
+    assert torch.equal(gather_rows(x, index[:1]), x.gather(1, index[:1].unsqueeze(-1).expand(3, 11, 5)))
+
+    class Rows(torch.nn.Module):
+        def forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            return gather_rows(x, index)
+
+    class Elements(torch.nn.Module):  # negative: the expanded-index form
+        def forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+    ops = {}
+    for name, module in (("rows", Rows()), ("elements", Elements())):
+        path = tmp_path / f"{name}.onnx"
+        torch.onnx.export(module.eval(), (x, index), str(path), dynamo=True, verbose=False)
+        ops[name] = {n.op_type for n in onnx.load(str(path)).graph.node}
+    assert "Gather" in ops["rows"] and "GatherElements" not in ops["rows"]
+    assert "GatherElements" in ops["elements"]

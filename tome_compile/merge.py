@@ -28,6 +28,7 @@ __all__ = [
     "best_matches",
     "destination_partition",
     "fit_importance",
+    "gather_rows",
     "hashed_keys",
     "hashed_partition",
     "importance_or_tome_plan",
@@ -147,10 +148,20 @@ def _cosine_matches(
         a = unit.index_select(1, src_idx)
         b = unit.index_select(1, dst_idx)
     else:
-        c = unit.shape[-1]
-        a = unit.gather(1, src_idx.unsqueeze(-1).expand(-1, -1, c))
-        b = unit.gather(1, dst_idx.unsqueeze(-1).expand(-1, -1, c))
+        a = gather_rows(unit, src_idx)
+        b = gather_rows(unit, dst_idx)
     return best_matches(a, b)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[i, index[i, j]]``: ``[B, M, C]``, ``[B, N]`` -> ``[B, N, C]``, as one row gather over the
+    flattened batch. Same numbers as ``x.gather(1, index[..., None].expand(B, N, C))``, but the
+    ONNX form is a ``Gather`` of ``B x N`` row numbers: ONNX Runtime materialises the expanded
+    ``[B, N, C]`` int64 index of a ``GatherElements`` — twice the bytes of an fp32 activation."""
+    b, m, c = x.shape
+    index = index.expand(b, -1)
+    flat = index + (torch.arange(b, device=index.device) * m).unsqueeze(-1)
+    return x.reshape(b * m, c).index_select(0, flat.reshape(-1)).reshape(b, index.shape[1], c)
 
 
 def match_rows(sources: int, destinations: int, channels: int) -> int:
@@ -476,8 +487,7 @@ def merge_tokens(x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor) -> t
 
 def unmerge_tokens(y: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """``[B, N - r, C] -> [B, N, C]``: every token takes its slot's value."""
-    b, n = slot.shape
-    return y.gather(1, slot.unsqueeze(-1).expand(b, n, y.shape[-1]))
+    return gather_rows(y, slot)
 
 
 def oracle_merge(x: torch.Tensor, r: int) -> torch.Tensor:
