@@ -227,7 +227,7 @@ def _run(args: argparse.Namespace) -> int:
                                  force=args.force or bool(args.into), atol=args.atol,
                                  require_cuda_kernels=not args.no_cuda_check, step=step, portable=args.portable,
                                  partition_input=args.partition_input, dynamic_batch=not args.static_batch,
-                                 optimize=args.optimize, frames=args.frames)
+                                 optimize=args.optimize, frames=args.frames, release_weights=True)
         bar.update(bar.total - bar.n)
     print(result.report.summary())
     inv = result.inventory

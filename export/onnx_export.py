@@ -387,6 +387,7 @@ def export_onnx(
     dynamic_batch: bool = True,
     optimize: str | None = None,
     frames: int | None = None,
+    release_weights: bool = False,
 ) -> ExportResult:
     """Export ``unet`` with ToMe applied to ``out`` (+ ``out.data``), checked; see the module doc.
 
@@ -400,6 +401,9 @@ def export_onnx(
             optional ``tome_seed`` input and the timestep.
         frames: video U-Nets (AnimateDiff, SVD): frames per video (default 16 / 25). Their exports
             keep ``batch`` and ``frames`` fixed (the prompt embeddings' batch is batch x frames).
+        release_weights: free ``unet``'s weights once the PyTorch parity references are computed,
+            before ONNX Runtime loads the file (the module is unusable afterwards; ``tome-export``
+            sets it: the model and the session are never resident together).
         optimize: "cpu" or "cuda": run ONNX Runtime's transformer optimizer (``model_type="unet"``,
             the fusions of ORT's Stable Diffusion pipeline for that provider) and check parity again
             (on CUDA only where a CUDA EP is present: its fused ops have no CPU kernel).
@@ -526,8 +530,11 @@ def export_onnx(
         if check_parity:
             step("checking parity: ONNX Runtime vs PyTorch (same inputs and partition)")
             start = time.perf_counter()
-            session = _session(tmp_model)
             checks = _parity_checks(result, gm, args, extra, names, seed, traced if dynamic else None)
+            references.update(_references(gm, checks))  # before the session loads: see release_weights
+            if release_weights:
+                _release_weights(unet, gm)
+            session = _session(tmp_model)
             for key, check_args, check_extra in checks:
                 _parity(export, session, gm, check_args, check_extra, fp16, atol, references, key=key)
             del session
@@ -719,6 +726,26 @@ def _session(path: Path) -> Any:
     import onnxruntime as ort
 
     return ort.InferenceSession(str(path), providers=default_providers())
+
+
+def _references(gm: fx.GraphModule, checks: list[tuple[str, tuple[torch.Tensor, ...], list[torch.Tensor]]]
+                ) -> dict[str, np.ndarray]:
+    """The PyTorch output of every parity check, float32 NumPy by key."""
+    out = {}
+    with torch.no_grad():
+        for key, args, extra in checks:
+            value = gm(*args, *extra)
+            out[key] = (value[0] if isinstance(value, (tuple, list)) else value).float().cpu().numpy()
+    return out
+
+
+def _release_weights(*modules: torch.nn.Module) -> None:
+    """Free the weights of ``modules`` (every parameter and buffer becomes an empty tensor): the
+    PyTorch model and the ORT session are then never resident together."""
+    for module in modules:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    gc.collect()
 
 
 def _parity(export: ExportResult, session: Any, gm: fx.GraphModule, args: tuple[torch.Tensor, ...],

@@ -61,25 +61,35 @@ def narrow_scatter_indices(model: object) -> int:
     import onnx_ir as ir
 
     narrowed = 0  # the main graph and the If branches
+    done: dict[int, object] = {}  # one int32 index per expanded index, however many scatters read it
+    replaced: list[object] = []
     for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):  # type: ignore[attr-defined]
         graph = node.graph
         if node.op_type != "ScatterElements" or graph is None:
             continue
         indices = node.inputs[1]
-        expand = indices.producer() if indices is not None else None
-        if expand is None or expand.op_type != "Expand" or indices.dtype != ir.DataType.INT64:
+        if indices is not None and id(indices) in done:
+            node.replace_input_with(1, done[id(indices)])
+            narrowed += 1
             continue
-        base = indices.name or f"scatter_index_{narrowed}"
+        expand = indices.producer() if indices is not None else None
+        if expand is None or expand.op_type != "Expand" or indices.dtype != ir.DataType.INT64 \
+                or expand.graph is not graph:
+            continue
+        base = f"{indices.name or 'scatter_index'}_{narrowed}"
         cast = ir.node("Cast", [expand.inputs[0]], attributes={"to": ir.DataType.INT32}, name=f"{base}_to_int32",
                        outputs=[ir.Value(name=f"{base}_int32_rows")])
         wide = ir.node("Expand", [cast.outputs[0], expand.inputs[1]], name=f"{base}_expand_int32",
                        outputs=[ir.Value(name=f"{base}_int32")])
         wide.outputs[0].dtype, wide.outputs[0].shape = ir.DataType.INT32, indices.shape
-        graph.insert_before(node, [cast, wide])
+        graph.insert_before(expand, [cast, wide])  # where the int64 index was made: before every reader
         node.replace_input_with(1, wide.outputs[0])
-        if not indices.uses() and expand.graph is graph and all(not o.uses() for o in expand.outputs):
-            graph.remove(expand, safe=True)
+        done[id(indices)] = wide.outputs[0]
+        replaced.append(expand)
         narrowed += 1
+    for expand in replaced:  # the int64 Expands nothing reads any more
+        if all(not value.uses() for value in expand.outputs):
+            expand.graph.remove(expand, safe=True)
     return narrowed
 
 
