@@ -23,9 +23,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from typing import Self
 
 __all__ = ["main"]
 
@@ -39,29 +42,26 @@ def _rss(pid: int | str = "self") -> int:
 
 
 class _Peak:
-    """Highest resident size of ``pid`` while running (sampled every ``interval`` seconds)."""
+    """Highest resident size of this process while the block runs (sampled every ``interval`` s)."""
 
-    def __init__(self, pid: int | str = "self", interval: float = 0.001) -> None:
-        self.pid, self.interval, self.peak, self._stop = pid, interval, 0, threading.Event()
+    def __init__(self, interval: float = 0.001) -> None:
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                self.peak = max(self.peak, _rss(self.pid))
-            except (FileNotFoundError, ProcessLookupError):
-                return
+            self.peak = max(self.peak, _rss())
             time.sleep(self.interval)
 
-    def __enter__(self) -> _Peak:
-        self.peak = _rss(self.pid)
+    def __enter__(self) -> Self:
+        self.peak = _rss()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _rss(self.pid)) if self.pid == "self" else self.peak
+        self.peak = max(self.peak, _rss())
 
 
 def _inputs(session: Any, batch: int, seed: int) -> dict[str, np.ndarray]:
@@ -86,7 +86,6 @@ def _inputs(session: Any, batch: int, seed: int) -> dict[str, np.ndarray]:
 
 def _child(path: str, batch: int, rounds: int, seed: int) -> dict[str, Any]:
     import onnxruntime as ort
-
     from tome_compile.export import ToMeSession
 
     options = ort.SessionOptions()
