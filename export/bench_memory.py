@@ -23,12 +23,9 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from typing import Self
 
 __all__ = ["main"]
 
@@ -42,26 +39,29 @@ def _rss(pid: int | str = "self") -> int:
 
 
 class _Peak:
-    """Highest resident size of this process while the block runs (sampled every ``interval`` s)."""
+    """Highest resident size of ``pid`` while running (sampled every ``interval`` seconds)."""
 
-    def __init__(self, interval: float = 0.001) -> None:
-        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+    def __init__(self, pid: int | str = "self", interval: float = 0.001) -> None:
+        self.pid, self.interval, self.peak, self._stop = pid, interval, 0, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
+            try:
+                self.peak = max(self.peak, _rss(self.pid))
+            except (FileNotFoundError, ProcessLookupError):
+                return
             time.sleep(self.interval)
 
-    def __enter__(self) -> Self:
-        self.peak = _rss()
+    def __enter__(self) -> _Peak:
+        self.peak = _rss(self.pid)
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _rss())
+        self.peak = max(self.peak, _rss(self.pid)) if self.pid == "self" else self.peak
 
 
 def _inputs(session: Any, batch: int, seed: int) -> dict[str, np.ndarray]:
@@ -86,6 +86,7 @@ def _inputs(session: Any, batch: int, seed: int) -> dict[str, np.ndarray]:
 
 def _child(path: str, batch: int, rounds: int, seed: int) -> dict[str, Any]:
     import onnxruntime as ort
+
     from tome_compile.export import ToMeSession
 
     options = ort.SessionOptions()

@@ -188,10 +188,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.model not in known and not Path(args.model).exists():
         raise _UsageError(f"--model {args.model!r}: no such folder, and not one of {known}")
     multiview = args.multiview or args.model == "zero123"
-    if multiview:
-        from tome_compile.multiview import check_tiled_size
-
-        check_tiled_size(args.height, args.width)  # before minutes of loading
+    if multiview and (args.height % 24 or args.width % 16):
+        raise _UsageError(f"--height {args.height} --width {args.width}: a multi-view picture is 3 x 2 views of a "
+                          "multiple of 8 pixels each (height a multiple of 24, width of 16; Zero123++: "
+                          "--height 960 --width 640)")
     if multiview and args.into:
         raise _UsageError("--into replaces the U-Net of an Optimum Stable Diffusion folder; a multi-view export "
                           "(cond_lat, noise inputs) has no such folder: give OUT instead")

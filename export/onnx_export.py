@@ -342,12 +342,7 @@ def _postprocess(program: Any, result: ToMeResult, fp16: bool, attentions: int, 
                  dynamic: bool) -> dict[str, Any]:
     """fp16 scatter in float32, optional ToMe inputs, and the fused-attention count check."""
     from tome_compile.export.attention import CONTRIB_DOMAIN
-    from tome_compile.export.onnx_graph import (
-        count_ops,
-        keep_scatter_fp32,
-        narrow_scatter_indices,
-        set_input_defaults,
-    )
+    from tome_compile.export.onnx_graph import count_ops, keep_scatter_fp32, narrow_scatter_indices, set_input_defaults
 
     model = program.model
     wrapped = keep_scatter_fp32(model) if fp16 else 0
@@ -531,16 +526,17 @@ def export_onnx(
                               inventory=inventory, seconds=times, optional_inputs=post["optional_inputs"],
                               fused_attention=post["fused_attention"])
 
+        references: dict[str, np.ndarray] = {}  # PyTorch outputs by check, reused for the optimised graph
         if check_parity:
             step("checking parity: ONNX Runtime vs PyTorch (same inputs and partition)")
             start = time.perf_counter()
             checks = _parity_checks(result, gm, args, extra, names, seed, traced if dynamic else None)
-            references = _references(gm, checks)  # before the session loads: see release_weights
+            references.update(_references(gm, checks))  # before the session loads: see release_weights
             if release_weights:
                 _release_weights(unet, gm)
             session = _session(tmp_model)
             for key, check_args, check_extra in checks:
-                _parity(export, session, check_args, check_extra, fp16, atol, references[key])
+                _parity(export, session, gm, check_args, check_extra, fp16, atol, references, key=key)
             del session
             gc.collect()
             times["parity"] = time.perf_counter() - start
@@ -554,7 +550,7 @@ def export_onnx(
             if check_parity and _can_run(optimize):
                 session = _session(final)
                 for key, check_args, check_extra in checks:  # every branch again, from the references
-                    _parity(export, session, check_args, check_extra, fp16, atol, references[key])
+                    _parity(export, session, gm, check_args, check_extra, fp16, atol, references, key=key)
                 del session
             elif check_parity:
                 logger.warning("parity of the CUDA-optimised graph needs the CUDA EP (its fused ops have no "
@@ -752,12 +748,18 @@ def _release_weights(*modules: torch.nn.Module) -> None:
     gc.collect()
 
 
-def _parity(export: ExportResult, session: Any, args: tuple[torch.Tensor, ...], extra: list[torch.Tensor],
-            fp16: bool, atol: float | None, ref: np.ndarray) -> None:
-    """ORT vs PyTorch on the same inputs: ``ref`` is PyTorch's output (see :func:`_references`,
-    computed once and reused for the optimised graph)."""
+def _parity(export: ExportResult, session: Any, gm: fx.GraphModule, args: tuple[torch.Tensor, ...],
+            extra: list[torch.Tensor], fp16: bool, atol: float | None, references: dict[str, np.ndarray],
+            key: str = "traced") -> None:
+    """ORT vs PyTorch on the same inputs; the PyTorch output is kept under ``key`` (the optimised
+    graph is checked against the same reference without running the model again)."""
     feed = {name: t.detach().cpu().numpy() for name, t in zip(export.input_names, tuple(args) + tuple(extra))}
     got = session.run([OUTPUT_NAME], feed)[0].astype(np.float32)
+    if key not in references:
+        with torch.no_grad():
+            out = gm(*args, *extra)
+        references[key] = (out[0] if isinstance(out, (tuple, list)) else out).float().cpu().numpy()
+    ref = references[key]
     diff = np.abs(got - ref)
     # several checks (both importance branches, another batch): the report keeps the worst
     export.parity_max_abs = max(float(diff.max()), export.parity_max_abs or 0.0)

@@ -15,7 +15,6 @@ Find by structure, scope by module path, decide by shape (STYLE.md habit 2):
 
 from __future__ import annotations
 
-import itertools
 import math
 import operator
 import re
@@ -298,7 +297,7 @@ def pass_spans(gm: fx.GraphModule | fx.Graph) -> list[tuple[int, int]]:
         return [(0, len(graph.nodes))]
     position = {n: i for i, n in enumerate(graph.nodes)}
     bounds = [0] + [position[n] for n in starts[1:]] + [len(graph.nodes)]
-    return list(itertools.pairwise(bounds))
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 @dataclass(frozen=True)

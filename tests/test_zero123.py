@@ -157,9 +157,9 @@ def zero123_export(zero123, tmp_path_factory):
 
 def test_export_structure_and_session_equals_the_compiled_wrapper(zero123, zero123_export):
     import onnx
+
     from tome_compile.export import ToMeSession
     from tome_compile.export.attention import CONTRIB_DOMAIN
-
     from tome_compile.multiview import MultiViewExport
 
     session = ToMeSession(zero123_export, seed=3)
@@ -195,9 +195,8 @@ def test_export_structure_and_session_equals_the_compiled_wrapper(zero123, zero1
 
 
 def test_session_refuses_a_multiview_call_without_its_condition(zero123, zero123_export):
-    from tome_compile.export import ToMeSession
-
     from tome_compile.errors import ToMeExportError
+    from tome_compile.export import ToMeSession
 
     session = ToMeSession(zero123_export, seed=0)
     sample, kwargs = zero123[1]

@@ -207,9 +207,9 @@ def example_inputs(unet: torch.nn.Module, *, batch: int = 2, height: int = 512, 
     (video U-Nets: ``frames`` per video, as their pipelines call them; the multi-view wrapper: the
     3 x 2 tiled views, the condition view's latent and its noise)."""
     if getattr(unet, "extra_inputs", None) == ("cond_lat", "noise"):
-        from tome_compile.multiview import check_tiled_size
-
-        check_tiled_size(height, width)
+        if height % 24 or width % 16:
+            raise ToMeModelError(f"height={height}, width={width}: a multi-view picture is 3 x 2 views of a "
+                                 "multiple of 8 pixels each (height a multiple of 24, width of 16; Zero123++: 960 x 640)")
         inputs = example_inputs(unet.unet, batch=batch, height=height, width=width, seq_len=seq_len, seed=seed,
                                 device=device, dtype=dtype)
         g = torch.Generator().manual_seed(seed + 1)

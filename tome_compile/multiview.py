@@ -20,8 +20,7 @@ from diffusers.models.attention_processor import AttnProcessor2_0
 
 from tome_compile.errors import ToMeModelError
 
-__all__ = ["MultiViewExport", "RefOnlyNoisedUNet", "ReferenceOnlyAttnProc", "build_zero123", "check_tiled_size",
-           "load_multiview",
+__all__ = ["MultiViewExport", "RefOnlyNoisedUNet", "ReferenceOnlyAttnProc", "build_zero123", "load_multiview",
            "two_passes", "zero123_inputs"]
 
 
@@ -84,13 +83,6 @@ def two_passes(unet: torch.nn.Module, noisy_cond_lat: torch.Tensor, sample: torc
     return unet(sample, timestep, encoder_hidden_states, class_labels=class_labels,
                 cross_attention_kwargs={"mode": "r", "ref_dict": ref_dict, "is_cfg_guidance": is_cfg_guidance},
                 **kwargs)
-
-
-def check_tiled_size(height: int, width: int) -> None:
-    """A multi-view picture is 3 rows x 2 columns of views whose sides are multiples of 8 pixels."""
-    if height % 24 or width % 16:
-        raise ToMeModelError(f"height={height}, width={width}: a multi-view picture is 3 x 2 views of a multiple "
-                             "of 8 pixels each (height a multiple of 24, width of 16; Zero123++: 960 x 640)")
 
 
 class MultiViewExport(torch.nn.Module):
