@@ -27,7 +27,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 from tome_compile.export.inventory import InventoryReport, check_op_inventory
+from tome_compile.export.ort_optimizer import optimize_for_ort
 from tome_compile.passes import PLAN_SLOTS, PLAN_WEIGHTS, ToMeResult, find_unet_io, merge_self_attention
 from tome_compile.passes.merge_self_attention import nothing_rewritten
 from tome_compile.passes.sites import node_shape as _sites_node_shape
@@ -585,12 +586,6 @@ def _can_run(provider: str) -> bool:
     return provider == "cpu" or "CUDAExecutionProvider" in default_providers()
 
 
-# ORT's Stable Diffusion fusions that have CUDA kernels only (ONNX Runtime 1.32's CPU EP has none)
-_CUDA_ONLY_FUSIONS = ("enable_nhwc_conv", "enable_group_norm", "enable_skip_group_norm", "enable_bias_splitgelu")
-_FUSED_OPS = ("MultiHeadAttention", "LayerNormalization", "SkipLayerNormalization", "GroupNorm", "SkipGroupNorm",
-              "BiasSplitGelu", "NhwcConv", "BiasAdd")
-
-
 def _parity_checks(result: ToMeResult, gm: fx.GraphModule, args: tuple[torch.Tensor, ...], extra: list[torch.Tensor],
                    names: list[str], seed: int, traced: int | None
                    ) -> list[tuple[str, tuple[torch.Tensor, ...], list[torch.Tensor]]]:
@@ -611,106 +606,6 @@ def _parity_checks(result: ToMeResult, gm: fx.GraphModule, args: tuple[torch.Ten
                      for spec, e in zip(result.inputs, extra)]  # one image's share of the plans
         checks.append(("batch 1", one, one_extra))
     return checks
-
-
-def optimize_for_ort(src: Path, dst: Path, provider: str) -> dict[str, int]:
-    """ONNX Runtime's transformer optimizer on ``src`` -> ``dst`` (+ ``dst.data``), as ORT's own
-    Stable Diffusion pipeline runs it (``model_type="unet"``, Python fusions only, no provider-
-    specific ORT graph passes baked in); for "cpu" without the CUDA-only fusions. Returns the
-    fused op counts."""
-    from onnxruntime.transformers.fusion_options import FusionOptions
-    from onnxruntime.transformers.optimizer import optimize_model
-
-    options = FusionOptions("unet")
-    if provider == "cpu":
-        for name in _CUDA_ONLY_FUSIONS:
-            setattr(options, name, False)
-    logging.disable(logging.WARNING)  # the fusions log every shape they cannot read, per node
-    try:
-        control_flow = _has_subgraphs(src)
-        with _subgraph_inference_reads_what_it_uses(control_flow) as patched:
-            if control_flow and not patched:
-                options.enable_shape_inference = False  # fewer fusions, but no 20 GB copies
-            model = optimize_model(str(src), model_type="unet", opt_level=0, optimization_options=options,
-                                   use_gpu=provider == "cuda")
-    finally:
-        logging.disable(logging.NOTSET)
-    try:
-        model.save_model_to_file(str(dst), use_external_data_format=True)
-    except Exception as e:
-        raise _write_error(e, dst.parent) from e
-    counts: dict[str, int] = {}
-    for node in model.model.graph.node:
-        if node.op_type in _FUSED_OPS:
-            counts[node.op_type] = counts.get(node.op_type, 0) + 1
-    del model
-    gc.collect()
-    return counts
-
-
-@contextlib.contextmanager
-def _subgraph_inference_reads_what_it_uses(needed: bool) -> Iterator[bool]:
-    """Work around ONNX Runtime's symbolic shape inference on a model with ``If`` nodes
-    (``plan_every``, importance's in-graph fallback): for each subgraph it builds a temporary
-    model whose implicit inputs are *every* value known so far, initializers included — a copy of
-    all the weights per subgraph, several copies deep (> 20 GB for the SD 1.5 U-Net at the first
-    ``If``; onnxruntime 1.32). While the optimizer runs, the subgraph sees only the values it
-    reads (the same shapes result). Yields whether the work-around is in place: False when not
-    needed, or when this onnxruntime's internals differ (the caller then turns shape inference
-    off rather than run out of memory)."""
-    cls = None
-    if needed:
-        try:
-            from shape_infer_helper import SymbolicShapeInferenceHelper  # ORT puts its folder on sys.path
-
-            cls = next((c for c in SymbolicShapeInferenceHelper.__mro__ if "_onnx_infer_subgraph" in vars(c)), None)
-        except ImportError:
-            cls = None
-    if cls is None:
-        yield False
-        return
-    original = vars(cls)["_onnx_infer_subgraph"]
-
-    def infer_subgraph(self: Any, node: Any, subgraph: Any, *args: Any, **kwargs: Any) -> Any:
-        known = self.known_vi_
-        used = _names_read(subgraph)
-        self.known_vi_ = {name: vi for name, vi in known.items() if name in used}
-        try:
-            return original(self, node, subgraph, *args, **kwargs)
-        finally:
-            known.update(self.known_vi_)
-            self.known_vi_ = known
-
-    cls._onnx_infer_subgraph = infer_subgraph
-    try:
-        yield True
-    finally:
-        cls._onnx_infer_subgraph = original
-
-
-def _names_read(graph: Any) -> set[str]:
-    """Every value name a graph's nodes read, nested subgraphs included."""
-    import onnx
-
-    names: set[str] = set()
-    for node in graph.node:
-        names.update(node.input)
-        for a in node.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                names |= _names_read(a.g)
-            elif a.type == onnx.AttributeProto.GRAPHS:
-                for g in a.graphs:
-                    names |= _names_read(g)
-    return names
-
-
-def _has_subgraphs(path: Path) -> bool:
-    """Whether the model has control flow (``If``: importance's in-graph fallback, ``plan_every``)."""
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-               for node in model.graph.node for a in node.attribute)
 
 
 def default_providers() -> list[str]:

@@ -326,6 +326,44 @@ def test_optimizer_finds_the_plain_exports_fusions(tmp_path, unet, exported):
     assert theirs["GroupNorm"] + theirs["SkipGroupNorm"] == 21  # CUDA: every group norm fused
 
 
+def test_optimizer_leaves_the_weights_on_disk_and_writes_only_live_ones(tmp_path, exported):
+    """Issue #20 (export memory): ORT's optimizer runs on the graph with its matrices and kernels
+    on disk (only vectors are read in; for CUDA also the Conv kernels NhwcConv transposes), and the
+    optimised file's data holds exactly the tensors its graph uses, copied byte for byte."""
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+    from tome_compile.export.ort_optimizer import load_for_fusions, optimize_for_ort
+
+    def on_disk(proto):
+        return {t.name for t in proto.graph.initializer if uses_external_data(t)}
+
+    src = onnx.load(str(exported.path), load_external_data=False)
+    cpu, cuda = load_for_fusions(exported.path, "cpu"), load_for_fusions(exported.path, "cuda")
+    matrices = {t.name for t in src.graph.initializer if sum(d > 1 for d in t.dims) >= 2}
+    kernels = {n.input[1] for n in src.graph.node if n.op_type == "Conv"}
+    assert len(matrices) > 50 and kernels <= matrices
+    assert on_disk(cpu) == matrices  # vectors read in, every matrix and kernel left on disk
+    assert on_disk(cuda) == matrices - kernels  # NhwcConv reads the kernels
+    assert all(t.raw_data or t.float_data for t in cpu.graph.initializer if t.name not in matrices)
+
+    dst = tmp_path / "opt" / "unet.onnx"
+    fusions = optimize_for_ort(exported.path, dst, "cpu")
+    assert fusions["SkipLayerNormalization"] == 8 and fusions["MultiHeadAttention"] == 8
+    assert sorted(p.name for p in dst.parent.iterdir()) == ["unet.onnx", "unet.onnx.data"]
+    out = onnx.load(str(dst), load_external_data=False)
+    used = {name for n in out.graph.node for name in n.input}
+    stored = [t for t in out.graph.initializer if uses_external_data(t)]
+    assert {t.name for t in stored} <= used and {ExternalDataInfo(t).location for t in stored} == {"unet.onnx.data"}
+    assert (dst.parent / "unet.onnx.data").stat().st_size == sum(ExternalDataInfo(t).length for t in stored)
+    full_src = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(exported.path)).graph.initializer}
+    full_out = onnx.load(str(dst))
+    for t in full_out.graph.initializer:
+        if t.name in matrices:  # streamed from the source's data file
+            np.testing.assert_array_equal(onnx.numpy_helper.to_array(t), full_src[t.name])
+    feed = standard_feed(2)
+    np.testing.assert_allclose(ort_session(dst).run(None, feed)[0], ort_session(exported.path).run(None, feed)[0],
+                               atol=1e-5)
+
+
 def test_into_replaces_the_unet_of_an_optimum_folder(tmp_path, sd15_folder, capsys):
     folder = _optimum_folder(tmp_path)
     code = main(["--into", str(folder), "--model", str(sd15_folder), "--height", str(HW), "--width", str(HW),

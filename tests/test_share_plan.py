@@ -323,7 +323,7 @@ def test_subgraph_shape_inference_copies_only_what_the_subgraph_reads():
     import onnxruntime.transformers.optimizer  # noqa: F401  (puts ORT's helper modules on sys.path)
     from onnx import TensorProto, helper, numpy_helper
     from shape_infer_helper import SymbolicShapeInferenceHelper
-    from tome_compile.export.onnx_export import _subgraph_inference_reads_what_it_uses
+    from tome_compile.export.ort_optimizer import _subgraph_inference_reads_what_it_uses
 
     def branch(name, node):
         return helper.make_graph([node], name, [], [helper.make_tensor_value_info("y_" + name, TensorProto.FLOAT,
