@@ -86,7 +86,6 @@ def _inputs(session: Any, batch: int, seed: int) -> dict[str, np.ndarray]:
 
 def _child(path: str, batch: int, rounds: int, seed: int) -> dict[str, Any]:
     import onnxruntime as ort
-
     from tome_compile.export import ToMeSession
 
     options = ort.SessionOptions()
@@ -111,8 +110,14 @@ def _child(path: str, batch: int, rounds: int, seed: int) -> dict[str, Any]:
             call()
         times.append(time.perf_counter() - start)
         peaks.append(peak.peak - before)
-    return {"path": path, "batch": batch, "resting_gb": resting / _GB, "peak_gb": statistics.median(peaks) / _GB,
-            "peaks_gb": [p / _GB for p in peaks], "median_s": statistics.median(times)}
+    return {
+        "path": path,
+        "batch": batch,
+        "resting_gb": resting / _GB,
+        "peak_gb": statistics.median(peaks) / _GB,
+        "peaks_gb": [p / _GB for p in peaks],
+        "median_s": statistics.median(times),
+    }
 
 
 def measure_call(path: str | Path, batch: int, rounds: int = 3, seed: int = 0) -> dict[str, Any]:
@@ -147,7 +152,9 @@ def measure_export(argv: list[str]) -> dict[str, Any]:
     optimizing, writing)."""
     proc = subprocess.Popen([sys.executable, "-u", "-c", _CHILD, *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    stages: list[dict[str, Any]] = [{"stage": "starting Python, imports", "peak_gb": 0.0, "start": time.perf_counter()}]
+    stages: list[dict[str, Any]] = [
+        {"stage": "starting Python, imports", "peak_gb": 0.0, "start": time.perf_counter()}
+    ]
     lock = threading.Lock()
     errors: list[str] = []
     report: list[str] = []
@@ -209,7 +216,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {stage['stage']} | {stage['peak_gb']:.2f} | {stage['seconds']:.1f} |")
         data = [Path(a + ".data") for a in argv_ if a.endswith(".onnx")]
         weights = sum(p.stat().st_size for p in data if p.is_file()) / _GB
-        ratio = f" = {result['peak_gb'] / weights:.1f}x the {weights:.2f} GB of weights written" if weights else ""
+        ratio = (
+            f" = {result['peak_gb'] / weights:.1f}x the {weights:.2f} GB of weights written"
+            if weights
+            else ""
+        )
         print(f"exit {result['returncode']}; peak {result['peak_gb']:.2f} GB{ratio}")
         if args.json:
             Path(args.json).write_text(json.dumps({**result, "weights_gb": weights}, indent=2))
@@ -220,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"batch {args.batch}, CPU EP, arena off, median of {args.rounds} calls after one warm-up")
     print("| file | resting GB | peak per call GB | median s |\n|---|---:|---:|---:|")
     for row in rows:
-        print(f"| {Path(row['path']).name} | {row['resting_gb']:.2f} | {row['peak_gb']:.3f} | {row['median_s']:.2f} |")
+        print(
+            f"| {Path(row['path']).name} | {row['resting_gb']:.2f} | {row['peak_gb']:.3f} | "
+            f"{row['median_s']:.2f} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -65,10 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default="ort-bench", help="where the exported models go (deleted after)")
     parser.add_argument("--keep", action="store_true", help="keep the exported models")
     parser.add_argument("--json", default="bench_ort.json")
-    parser.add_argument("--variants", nargs="+", default=["baseline", "tome", "oracle"],
-                        help="baseline, tome, oracle, and plan reuse: tome-shared (share_plan=True; 'shared' "
-                             "for short), tome-shared-every3 (+ plan_every=3: a round times a cycle of 3 calls "
-                             "and reports the mean), tome-every2, ...")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["baseline", "tome", "oracle"],
+        help="baseline, tome, oracle, and plan reuse: tome-shared (share_plan=True; 'shared' "
+        "for short), tome-shared-every3 (+ plan_every=3: a round times a cycle of 3 calls "
+        "and reports the mean), tome-every2, ...",
+    )
     parser.add_argument("--reuse", action="store_true",
                         help="reuse models already exported to --workdir by an earlier run")
     parser.add_argument("--one-session", action="store_true",
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                               "threads": torch.get_num_threads(), "sizes": []}
     total = len(args.sizes) * len(variants) * (2 + args.repeats)
     with tqdm(total=total, desc="bench-ort", unit="step", file=sys.stderr) as bar:
-        for size, batch in zip(args.sizes, args.batches):
+        for size, batch in zip(args.sizes, args.batches, strict=True):
             exports: dict[str, dict[str, Any]] = {}
             paths: dict[str, Path] = {}
             for label, (config, oracle) in variants.items():  # export all first: one big model in memory
@@ -190,12 +194,16 @@ def main(argv: list[str] | None = None) -> int:
         for label, row in v.items():
             ratio = f"{base / row['median_s']:.2f}x" if base else "-"
             parity = "-" if row["parity_max_abs"] is None else f"{row['parity_max_abs']:.1e}"
-            print(f"| {label} | {row['median_s']:.3f} | {ratio} | "
-                  f"{statistics.median(row['peak_bytes']) / 2**30:.2f} GB | {parity} | {row['sites'] or '-'} |")
+            print(
+                f"| {label} | {row['median_s']:.3f} | {ratio} | "
+                f"{statistics.median(row['peak_bytes']) / 2**30:.2f} GB | {parity} | {row['sites'] or '-'} |"
+            )
         if base and "oracle" in v and base > v["oracle"]["median_s"]:
             bound = base - v["oracle"]["median_s"]
             for label in (k for k in v if k not in ("baseline", "oracle")):
-                print(f"{label}: keeps {(base - v[label]['median_s']) / bound:.0%} of the oracle's time saving")
+                print(
+                    f"{label}: keeps {(base - v[label]['median_s']) / bound:.0%} of the oracle's time saving"
+                )
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
     print(f"\nwrote {args.json}")

@@ -37,12 +37,18 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tome-export", description=__doc__, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", nargs="?", help="output .onnx path (weights go to OUT.data beside it)")
-    p.add_argument("--model", default=None,
-                   help="local diffusers U-Net / PixArt transformer or pipeline folder, or sd15 | sd21 | sdxl | "
-                        "animatediff | svd | pixart | zero123 (random weights), or shapes (the shipped trained model)")
-    p.add_argument("--multiview", action="store_true",
-                   help="export the U-Net inside Zero123++'s two-pass reference wrapper (inputs cond_lat and noise; "
-                        "--height/--width are the 3 x 2 tiled views, 960 x 640); implied by --model zero123")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local diffusers U-Net / PixArt transformer or pipeline folder, or sd15 | sd21 | sdxl | "
+        "animatediff | svd | pixart | zero123 (random weights), or shapes (the shipped trained model)",
+    )
+    p.add_argument(
+        "--multiview",
+        action="store_true",
+        help="export the U-Net inside Zero123++'s two-pass reference wrapper (inputs cond_lat and noise; "
+        "--height/--width are the 3 x 2 tiled views, 960 x 640); implied by --model zero123",
+    )
     p.add_argument("--frames", type=int, default=None,
                    help="video U-Nets (AnimateDiff, SVD): frames per video (default 16 / 25)")
     p.add_argument("--blocks", default=None, metavar="LIST",
@@ -53,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=2,
                    help="batch checked (the file takes any batch unless --static-batch; importance: "
                         "the batch of the export, 2 = one CFG pair)")
-    p.add_argument("--seq-len", type=int, default=77, help="text tokens in encoder_hidden_states (default 77)")
+    p.add_argument(
+        "--seq-len", type=int, default=77, help="text tokens in encoder_hidden_states (default 77)"
+    )
     p.add_argument("--ratio", type=float, default=0.5, help="share of tokens merged (default 0.5)")
     p.add_argument("--max-downsample", type=int, default=1, help="1, 2, 4 or 8 (use 2 for SDXL)")
     p.add_argument("--sx", type=int, default=2)
@@ -87,12 +95,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="importance: which rows of the batch are one image's: cfg [uncond; cond], pix2pix "
                         "[text; image; uncond], pag [uncond; cond; perturbed] (default auto: cfg for an "
                         "even batch not a multiple of 6)")
-    p.add_argument("--opset", type=int, default=20, help="ONNX opset 18..23 (default 20; 23 has no CUDA group norm)")
+    p.add_argument(
+        "--opset", type=int, default=20, help="ONNX opset 18..23 (default 20; 23 has no CUDA group norm)"
+    )
     p.add_argument("--fp16", action="store_true",
                    help="export in float16 (runs on the CPU EP too: the merge's scatter stays float32)")
     p.add_argument("--no-cuda-check", action="store_true",
                    help="do not require every op to have a CUDA EP kernel")
-    p.add_argument("--atol", type=float, default=None, help="parity tolerance, times max(1, max |output|) (default 1e-3, fp16 5e-2)")
+    p.add_argument(
+        "--atol",
+        type=float,
+        default=None,
+        help="parity tolerance, times max(1, max |output|) (default 1e-3, fp16 5e-2)",
+    )
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -189,17 +204,27 @@ def _run(args: argparse.Namespace) -> int:
         raise _UsageError(f"--model {args.model!r}: no such folder, and not one of {known}")
     multiview = args.multiview or args.model == "zero123"
     if multiview and (args.height % 24 or args.width % 16):
-        raise _UsageError(f"--height {args.height} --width {args.width}: a multi-view picture is 3 x 2 views of a "
-                          "multiple of 8 pixels each (height a multiple of 24, width of 16; Zero123++: "
-                          "--height 960 --width 640)")
+        raise _UsageError(
+            f"--height {args.height} --width {args.width}: a multi-view picture is 3 x 2 views of a "
+            "multiple of 8 pixels each (height a multiple of 24, width of 16; Zero123++: "
+            "--height 960 --width 640)"
+        )
     if multiview and args.into:
-        raise _UsageError("--into replaces the U-Net of an Optimum Stable Diffusion folder; a multi-view export "
-                          "(cond_lat, noise inputs) has no such folder: give OUT instead")
+        raise _UsageError(
+            "--into replaces the U-Net of an Optimum Stable Diffusion folder; a multi-view export "
+            "(cond_lat, noise inputs) has no such folder: give OUT instead"
+        )
     if multiview and args.model in (*ARCHITECTURES, SHAPES):
-        raise _UsageError(f"--multiview wraps a local Zero123++ U-Net or pipeline folder (or use --model zero123), "
-                          f"not --model {args.model}")
+        raise _UsageError(
+            f"--multiview wraps a local Zero123++ U-Net or pipeline folder (or use --model zero123), "
+            f"not --model {args.model}"
+        )
 
-    steps = ["load", "trace", "rewrite", "convert", "inventory", "parity"] + (["optimize"] if args.optimize else []) + ["write"]
+    steps = (
+        ["load", "trace", "rewrite", "convert", "inventory", "parity"]
+        + (["optimize"] if args.optimize else [])
+        + ["write"]
+    )
     with tqdm(total=len(steps), desc="tome-export", unit="step", file=sys.stderr) as bar:
         bar.set_postfix_str("loading the U-Net")
         _stages.info("loading the U-Net")
@@ -222,12 +247,27 @@ def _run(args: argparse.Namespace) -> int:
         with torch.no_grad():
             if args.into:
                 check_into_config(Path(args.into), unet)
-            result = export_onnx(unet, out, config, batch=args.batch, height=args.height, width=args.width,
-                                 seq_len=args.seq_len, opset=args.opset, fp16=args.fp16,
-                                 force=args.force or bool(args.into), atol=args.atol,
-                                 require_cuda_kernels=not args.no_cuda_check, step=step, portable=args.portable,
-                                 partition_input=args.partition_input, dynamic_batch=not args.static_batch,
-                                 optimize=args.optimize, frames=args.frames, release_weights=True)
+            result = export_onnx(
+                unet,
+                out,
+                config,
+                batch=args.batch,
+                height=args.height,
+                width=args.width,
+                seq_len=args.seq_len,
+                opset=args.opset,
+                fp16=args.fp16,
+                force=args.force or bool(args.into),
+                atol=args.atol,
+                require_cuda_kernels=not args.no_cuda_check,
+                step=step,
+                portable=args.portable,
+                partition_input=args.partition_input,
+                dynamic_batch=not args.static_batch,
+                optimize=args.optimize,
+                frames=args.frames,
+                release_weights=True,
+            )
         bar.update(bar.total - bar.n)
     print(result.report.summary())
     inv = result.inventory

@@ -66,7 +66,9 @@ def check_op_inventory(path: str | Path, *, require_cuda: bool = True, full_chec
     except Exception as e:  # noqa: BLE001 - the checker's own message is the reason
         report.problems.append(f"onnx.checker: {str(e).splitlines()[0][:300]}")
     for node in model.graph.node:
-        if node.op_type == "ScatterND" and any(a.name == "reduction" and a.s != b"none" for a in node.attribute):
+        if node.op_type == "ScatterND" and any(
+            a.name == "reduction" and a.s != b"none" for a in node.attribute
+        ):
             report.problems.append(
                 f"{node.name}: ScatterND with a reduction (from index_add / index_put accumulate): "
                 "ONNX Runtime 1.32's CPU kernel loses updates to duplicate indices when threads race "

@@ -48,8 +48,15 @@ from tome_compile.inputs import draw_tome_inputs
 from tome_compile.models import example_inputs, is_dit, unet_input_names, video_layout
 from tome_compile.sampler import PartitionSampler
 
-__all__ = ["METADATA_KEY", "ExportResult", "check_opset", "check_output_path", "export_onnx", "optimize_for_ort",
-           "sweep_stale_partials"]
+__all__ = [
+    "METADATA_KEY",
+    "ExportResult",
+    "check_opset",
+    "check_output_path",
+    "export_onnx",
+    "optimize_for_ort",
+    "sweep_stale_partials",
+]
 
 logger = logging.getLogger("tome_compile.export")
 
@@ -159,7 +166,10 @@ def _drop_noop_squeezes(gm: fx.GraphModule) -> int:
     ``[B, N, C]``). Such nodes are replaced by their input. Returns how many."""
     dropped = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in (torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims):
+        if node.op != "call_function" or node.target not in (
+            torch.ops.aten.squeeze.dim,
+            torch.ops.aten.squeeze.dims,
+        ):
             continue
         shape = _sites_node_shape(node.args[0])
         dims = node.args[1] if len(node.args) > 1 else None
@@ -181,7 +191,10 @@ def _promote_mixed_concats(gm: fx.GraphModule) -> int:
     dtype gets a cast to the promoted one, as torch computes it. Returns how many casts."""
     casts = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in (torch.ops.aten.cat.default, torch.ops.aten.concat.default):
+        if node.op != "call_function" or node.target not in (
+            torch.ops.aten.cat.default,
+            torch.ops.aten.concat.default,
+        ):
             continue
         values = [t.meta.get("val") if isinstance(t, fx.Node) else None for t in node.args[0]]
         dtypes = {v.dtype for v in values if isinstance(v, torch.Tensor)}
@@ -192,7 +205,9 @@ def _promote_mixed_concats(gm: fx.GraphModule) -> int:
         for tensor, value in zip(node.args[0], values, strict=True):
             if isinstance(value, torch.Tensor) and value.dtype != promoted:
                 with gm.graph.inserting_before(node):
-                    cast = gm.graph.call_function(torch.ops.aten._to_copy.default, (tensor,), {"dtype": promoted})
+                    cast = gm.graph.call_function(
+                        torch.ops.aten._to_copy.default, (tensor,), {"dtype": promoted}
+                    )
                 cast.meta = {**tensor.meta, "val": value.to(promoted)}
                 tensor, casts = cast, casts + 1
             inputs.append(tensor)
@@ -343,7 +358,12 @@ def _postprocess(program: Any, result: ToMeResult, fp16: bool, attentions: int, 
                  dynamic: bool) -> dict[str, Any]:
     """fp16 scatter in float32, optional ToMe inputs, and the fused-attention count check."""
     from tome_compile.export.attention import CONTRIB_DOMAIN
-    from tome_compile.export.onnx_graph import count_ops, keep_scatter_fp32, narrow_scatter_indices, set_input_defaults
+    from tome_compile.export.onnx_graph import (
+        count_ops,
+        keep_scatter_fp32,
+        narrow_scatter_indices,
+        set_input_defaults,
+    )
 
     model = program.model
     wrapped = keep_scatter_fp32(model) if fp16 else 0
@@ -352,9 +372,16 @@ def _postprocess(program: Any, result: ToMeResult, fp16: bool, attentions: int, 
     # the declared size: ORT refuses a default of another shape, so an importance export of batch 4
     # or of a video's B x F pairs needs all its rows); "no plans yet": reuse False and empty plans
     empty = (lambda s: (0,)) if dynamic else tuple
-    shapes = {"importance": (lambda s: (1, *s[1:])) if dynamic else tuple, "plan_slot": empty, "plan_weight": empty}
-    defaults = {spec.name: np.zeros(shapes.get(spec.draw, tuple)(spec.shape), dtype=spec.zeros().numpy().dtype)
-                for spec in result.inputs if spec.draw in ("seed", "has_map", "reuse", *shapes)}
+    shapes = {
+        "importance": (lambda s: (1, *s[1:])) if dynamic else tuple,
+        "plan_slot": empty,
+        "plan_weight": empty,
+    }
+    defaults = {
+        spec.name: np.zeros(shapes.get(spec.draw, tuple)(spec.shape), dtype=spec.zeros().numpy().dtype)
+        for spec in result.inputs
+        if spec.draw in ("seed", "has_map", "reuse", *shapes)
+    }
     optional = set_input_defaults(model, defaults)
     fused = count_ops(model, "MultiHeadAttention", CONTRIB_DOMAIN)
     if not portable and fused != attentions:
@@ -449,7 +476,8 @@ def export_onnx(
     _promote_mixed_concats(gm)
     dead_attentions = _drop_dead_code(gm)
     times["trace"] = time.perf_counter() - start
-    unet_io = find_unet_io(gm)  # the noise output's channel axis and noise channels: the importance map reads them
+    # the noise output's channel axis and noise channels: the importance map reads them
+    unet_io = find_unet_io(gm)
 
     step("rewriting attention sites (ToMe pass)")
     # One graph for both kinds of importance step: a tome_has_map input picks the plan (ONNX If).
@@ -586,9 +614,15 @@ def _can_run(provider: str) -> bool:
     return provider == "cpu" or "CUDAExecutionProvider" in default_providers()
 
 
-def _parity_checks(result: ToMeResult, gm: fx.GraphModule, args: tuple[torch.Tensor, ...], extra: list[torch.Tensor],
-                   names: list[str], seed: int, traced: int | None
-                   ) -> list[tuple[str, tuple[torch.Tensor, ...], list[torch.Tensor]]]:
+def _parity_checks(
+    result: ToMeResult,
+    gm: fx.GraphModule,
+    args: tuple[torch.Tensor, ...],
+    extra: list[torch.Tensor],
+    names: list[str],
+    seed: int,
+    traced: int | None,
+) -> list[tuple[str, tuple[torch.Tensor, ...], list[torch.Tensor]]]:
     """The calls on which ONNX Runtime must equal PyTorch, ``(key, args, extra inputs)``: the traced
     call; importance's fallback branch; plan_every's reusing branch (fed the plans PyTorch made);
     with ``traced`` (a dynamic batch traced at that size) batch 1 from the same file."""
@@ -598,12 +632,19 @@ def _parity_checks(result: ToMeResult, gm: fx.GraphModule, args: tuple[torch.Ten
     if result.outputs:
         with torch.no_grad():
             made = gm(*args, *extra)
-        checks.append(("reused plans", tuple(args), draw_tome_inputs(result.inputs, PartitionSampler(seed), None,
-                                                                     "cpu", plans=(made[1], made[2]))))
+        checks.append(
+            (
+                "reused plans",
+                tuple(args),
+                draw_tome_inputs(
+                    result.inputs, PartitionSampler(seed), None, "cpu", plans=(made[1], made[2])
+                ),
+            )
+        )
     if traced is not None:
-        one = tuple(a[:1] if name in PER_IMAGE_INPUTS else a for name, a in zip(names, args))
+        one = tuple(a[:1] if name in PER_IMAGE_INPUTS else a for name, a in zip(names, args, strict=True))
         one_extra = [e[: e.numel() // traced] if spec.name in _FLAT_STATE else e
-                     for spec, e in zip(result.inputs, extra)]  # one image's share of the plans
+                     for spec, e in zip(result.inputs, extra, strict=True)]  # one image's share of the plans
         checks.append(("batch 1", one, one_extra))
     return checks
 
@@ -648,7 +689,10 @@ def _parity(export: ExportResult, session: Any, gm: fx.GraphModule, args: tuple[
             key: str = "traced") -> None:
     """ORT vs PyTorch on the same inputs; the PyTorch output is kept under ``key`` (the optimised
     graph is checked against the same reference without running the model again)."""
-    feed = {name: t.detach().cpu().numpy() for name, t in zip(export.input_names, tuple(args) + tuple(extra))}
+    feed = {
+        name: t.detach().cpu().numpy()
+        for name, t in zip(export.input_names, tuple(args) + tuple(extra), strict=True)
+    }
     got = session.run([OUTPUT_NAME], feed)[0].astype(np.float32)
     if key not in references:
         with torch.no_grad():

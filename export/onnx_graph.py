@@ -39,8 +39,13 @@ def keep_scatter_fp32(model: object) -> int:
                           attributes={k: v for k, v in node.attributes.items()}, name=f"{base}_scatter_fp32",
                           outputs=[ir.Value(name=f"{base}_sum_fp32")])
         scatter.outputs[0].dtype = ir.DataType.FLOAT
-        down = ir.node("Cast", [scatter.outputs[0]], attributes={"to": ir.DataType.FLOAT16}, name=f"{base}_cast_back",
-                       outputs=[ir.Value(name=f"{base}_fp16")])
+        down = ir.node(
+            "Cast",
+            [scatter.outputs[0]],
+            attributes={"to": ir.DataType.FLOAT16},
+            name=f"{base}_cast_back",
+            outputs=[ir.Value(name=f"{base}_fp16")],
+        )
         graph.insert_before(node, [*up, scatter, down])
         new = down.outputs[0]
         ir.convenience.replace_all_uses_with(out, new)
@@ -77,8 +82,13 @@ def narrow_scatter_indices(model: object) -> int:
                 or expand.graph is not graph:
             continue
         base = f"{indices.name or 'scatter_index'}_{narrowed}"
-        cast = ir.node("Cast", [expand.inputs[0]], attributes={"to": ir.DataType.INT32}, name=f"{base}_to_int32",
-                       outputs=[ir.Value(name=f"{base}_int32_rows")])
+        cast = ir.node(
+            "Cast",
+            [expand.inputs[0]],
+            attributes={"to": ir.DataType.INT32},
+            name=f"{base}_to_int32",
+            outputs=[ir.Value(name=f"{base}_int32_rows")],
+        )
         wide = ir.node("Expand", [cast.outputs[0], expand.inputs[1]], name=f"{base}_expand_int32",
                        outputs=[ir.Value(name=f"{base}_int32")])
         wide.outputs[0].dtype, wide.outputs[0].shape = ir.DataType.INT32, indices.shape

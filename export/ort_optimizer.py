@@ -28,9 +28,22 @@ __all__ = ["FUSED_OPS", "optimize_for_ort"]
 logger = logging.getLogger("tome_compile.export")
 
 # ORT's Stable Diffusion fusions that have CUDA kernels only (ONNX Runtime 1.32's CPU EP has none)
-_CUDA_ONLY_FUSIONS = ("enable_nhwc_conv", "enable_group_norm", "enable_skip_group_norm", "enable_bias_splitgelu")
-FUSED_OPS = ("MultiHeadAttention", "LayerNormalization", "SkipLayerNormalization", "GroupNorm", "SkipGroupNorm",
-             "BiasSplitGelu", "NhwcConv", "BiasAdd")
+_CUDA_ONLY_FUSIONS = (
+    "enable_nhwc_conv",
+    "enable_group_norm",
+    "enable_skip_group_norm",
+    "enable_bias_splitgelu",
+)
+FUSED_OPS = (
+    "MultiHeadAttention",
+    "LayerNormalization",
+    "SkipLayerNormalization",
+    "GroupNorm",
+    "SkipGroupNorm",
+    "BiasSplitGelu",
+    "NhwcConv",
+    "BiasAdd",
+)
 
 
 def optimize_for_ort(src: Path, dst: Path, provider: str) -> dict[str, int]:
@@ -59,7 +72,9 @@ def optimize_for_ort(src: Path, dst: Path, provider: str) -> dict[str, int]:
     finally:
         logging.disable(logging.NOTSET)
     if options.enable_shape_inference and not model.enable_shape_infer:
-        logger.warning("ONNX Runtime's shape inference failed on %s: the optimizer fused less than it can", src.name)
+        logger.warning(
+            "ONNX Runtime's shape inference failed on %s: the optimizer fused less than it can", src.name
+        )
     model.topological_sort()
     optimized = model.model
     del model, proto
@@ -81,7 +96,11 @@ def load_for_fusions(src: Path, provider: str) -> Any:
     from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
     proto = onnx.load(str(src), load_external_data=False)
-    kernels = {node.input[1] for node in _nodes(proto.graph) if node.op_type == "Conv"} if provider == "cuda" else set()
+    kernels = (
+        {node.input[1] for node in _nodes(proto.graph) if node.op_type == "Conv"}
+        if provider == "cuda"
+        else set()
+    )
     for tensor in _tensors(proto.graph):
         if uses_external_data(tensor) and (sum(d > 1 for d in tensor.dims) <= 1 or tensor.name in kernels):
             load_external_data_for_tensor(tensor, str(src.parent))
@@ -158,7 +177,9 @@ def _subgraph_inference_reads_what_it_uses(needed: bool) -> Iterator[bool]:
         try:
             from shape_infer_helper import SymbolicShapeInferenceHelper  # ORT puts its folder on sys.path
 
-            cls = next((c for c in SymbolicShapeInferenceHelper.__mro__ if "_onnx_infer_subgraph" in vars(c)), None)
+            cls = next(
+                (c for c in SymbolicShapeInferenceHelper.__mro__ if "_onnx_infer_subgraph" in vars(c)), None
+            )
         except ImportError:
             cls = None
     if cls is None:

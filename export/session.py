@@ -86,8 +86,15 @@ class ToMeSession:
             is written into a torch tensor on the input's device). Default: on for the CUDA EP.
     """
 
-    def __init__(self, path: str | Path, *, providers: Sequence[str] | None = None,
-                 seed: int | None = None, session_options: Any = None, io_binding: bool | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        providers: Sequence[str] | None = None,
+        seed: int | None = None,
+        session_options: Any = None,
+        io_binding: bool | None = None,
+    ) -> None:
         import onnx
         import onnxruntime as ort
 
@@ -182,7 +189,9 @@ class ToMeSession:
 
     def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         want = list(self.inputs[name].shape)
-        if any(isinstance(d, int) and d != got for d, got in zip(want, shape)) or len(want) != len(shape):
+        if len(want) != len(shape) or any(
+            isinstance(d, int) and d != got for d, got in zip(want, shape, strict=True)
+        ):
             raise ToMeExportError(f"{name} has shape {shape}, this export takes {tuple(want)} "
                                   "(the image size and text length are fixed per export, and the batch "
                                   "of importance exports; export again for another)")
@@ -209,7 +218,9 @@ class ToMeSession:
             else:
                 binding.bind_cpu_input(name, value)
         output, *extras = self.session.get_outputs()
-        sample = feed["sample"]  # the output has its shape, or its own static one (SVD, PixArt: other channels)
+        sample = feed[
+            "sample"
+        ]  # the output has its shape, or its own static one (SVD, PixArt: other channels)
         shape = tuple(d if isinstance(d, int) else sample.shape[i] for i, d in enumerate(output.shape))
         out = torch.empty(shape, dtype=_TORCH[output.type], device=device)
         binding.bind_output(output.name, out.device.type, out.device.index or 0, _NUMPY_OF[out.dtype],
@@ -223,8 +234,13 @@ class ToMeSession:
             binding.synchronize_outputs()
         return out, [torch.from_numpy(v.numpy()) for v in binding.get_outputs()[1:]]
 
-    def _gather_inputs(self, sample: Any, encoder_hidden_states: Any, added_cond_kwargs: dict[str, Any] | None,
-                       named: dict[str, Any]) -> dict[str, Any]:
+    def _gather_inputs(
+        self,
+        sample: Any,
+        encoder_hidden_states: Any,
+        added_cond_kwargs: dict[str, Any] | None,
+        named: dict[str, Any],
+    ) -> dict[str, Any]:
         """Every model input of this call by name: each keyword fed to an input of the file, or
         refused with one line (never silently dropped); a missing required one named."""
         given: dict[str, Any] = {"sample": sample, "encoder_hidden_states": encoder_hidden_states}
@@ -243,9 +259,11 @@ class ToMeSession:
                     raise ToMeExportError(f"{where}: ToMe's inputs are fed by ToMeSession itself; call "
                                           "session.run() to feed them by hand")
                 what = _NOT_EXPORTED.get(name, f"input named {name!r}")
-                raise ToMeExportError(f"this export has no {what}, but {where} was given: it would be ignored; "
-                                      f"the export takes {', '.join(self._model_inputs)} (run this model "
-                                      "through torch.compile(backend=tome_backend(...)) for the others)")
+                raise ToMeExportError(
+                    f"this export has no {what}, but {where} was given: it would be ignored; "
+                    f"the export takes {', '.join(self._model_inputs)} (run this model "
+                    "through torch.compile(backend=tome_backend(...)) for the others)"
+                )
         if "noise" in self._model_inputs and given.get("noise") is None and given.get("cond_lat") is not None:
             given["noise"] = self._condition_noise(given["cond_lat"])
         if "encoder_attention_mask" in self._model_inputs and "encoder_attention_mask" not in given \
@@ -264,14 +282,18 @@ class ToMeSession:
             if key == "is_cfg_guidance":
                 exported = bool(self.meta.get("multiview", {}).get("is_cfg_guidance", False))
                 if bool(value) != exported:
-                    raise ToMeExportError(f"cross_attention_kwargs['is_cfg_guidance']={bool(value)}, but this "
-                                          f"export was made with is_cfg_guidance={exported}; export it again "
-                                          "with MultiViewExport(wrapper, is_cfg_guidance=...)")
+                    raise ToMeExportError(
+                        f"cross_attention_kwargs['is_cfg_guidance']={bool(value)}, but this "
+                        f"export was made with is_cfg_guidance={exported}; export it again "
+                        "with MultiViewExport(wrapper, is_cfg_guidance=...)"
+                    )
             elif key in ("cond_lat", "noise"):
                 out[key] = value
             else:
-                raise ToMeExportError(f"cross_attention_kwargs[{key!r}] is not an input of this multi-view export "
-                                      "(it takes cond_lat, optionally noise, and is_cfg_guidance as exported)")
+                raise ToMeExportError(
+                    f"cross_attention_kwargs[{key!r}] is not an input of this multi-view export "
+                    "(it takes cond_lat, optionally noise, and is_cfg_guidance as exported)"
+                )
         return out
 
     @staticmethod
@@ -291,9 +313,11 @@ class ToMeSession:
             dims = self.inputs[name].shape if name in self.inputs else []
             if name != "sample" and dims and not isinstance(dims[0], int) and len(value.shape) \
                     and int(value.shape[0]) != batch:
-                raise ToMeExportError(f"{name} has batch {int(value.shape[0])}, the sample has {batch}: one row "
-                                      "per sample (with classifier-free guidance, repeat the text embeddings "
-                                      "for the uncond and cond halves)")
+                raise ToMeExportError(
+                    f"{name} has batch {int(value.shape[0])}, the sample has {batch}: one row "
+                    "per sample (with classifier-free guidance, repeat the text embeddings "
+                    "for the uncond and cond halves)"
+                )
 
     def __call__(self, sample: Any = None, timestep: Any = None, encoder_hidden_states: Any = None,
                  added_cond_kwargs: dict[str, Any] | None = None, return_dict: bool = True, *,
@@ -303,8 +327,10 @@ class ToMeSession:
         if sample is None:
             raise ToMeExportError("ToMeSession needs the latent: sample (or hidden_states for PixArt)")
         if timestep is None:
-            raise ToMeExportError("ToMeSession needs the timestep of the call (a number or a tensor); without "
-                                  "it the time embedding would be garbage")
+            raise ToMeExportError(
+                "ToMeSession needs the timestep of the call (a number or a tensor); without "
+                "it the time embedding would be garbage"
+            )
         given = self._gather_inputs(sample, encoder_hidden_states, added_cond_kwargs, named)
         feed = {name: self._feed(name, value) for name, value in given.items() if name != "timestep"}
         feed["timestep"] = self._feed("timestep", timestep)

@@ -122,8 +122,14 @@ def _targets(site: _sites.AttentionSite, found: list[_sites.AttentionSite], grap
     return out
 
 
-def decide_site(site: _sites.AttentionSite, found: list[_sites.AttentionSite], graph: fx.Graph,
-                config: ToMeConfig, latent: tuple[int, int] | None, rows: int | None = None) -> BlockPlan | Skip:
+def decide_site(
+    site: _sites.AttentionSite,
+    found: list[_sites.AttentionSite],
+    graph: fx.Graph,
+    config: ToMeConfig,
+    latent: tuple[int, int] | None,
+    rows: int | None = None,
+) -> BlockPlan | Skip:
     """The plan for ``site``'s block, or why it is skipped (tomesd's rule, from shapes). ``rows``:
     the latent's batch at ``conv_in`` (B x F for a video U-Net), to tell temporal attention apart."""
     if site.kind == "cross-attention":

@@ -230,7 +230,7 @@ def _rewrite_all(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig,
     slot_total = sum(plans[i].tokens for i in own)
     weight_total = sum(plans[i].tokens - plans[i].merged for i in own)
     made: dict[int, tuple[fx.Node, fx.Node] | None] = {}
-    for i, (plan, (ch, cw), pool) in enumerate(zip(plans, cells, pools)):
+    for i, (plan, (ch, cw), pool) in enumerate(zip(plans, cells, pools, strict=True)):
         io = BlockInputs(method=mode.method, partition=nodes.get("partition"), cell_offset=cell_offset,
                          importance=nodes.get("importance"), has_map=nodes.get("has_map"),
                          dst_key=nodes.get("dst_key"), key_offset=key_offset, pool=pool,
@@ -289,8 +289,9 @@ def _hashed_inputs(gm: fx.GraphModule, add: Callable[[ToMeInputSpec], None], nod
     seed = nodes.pop("seed")
     with gm.graph.inserting_after(seed):
         if keys:
-            nodes["dst_key"] = gm.graph.call_function(_merge.hashed_keys, (seed, timestep, nodes["importance"],
-                                                                          keys))
+            nodes["dst_key"] = gm.graph.call_function(
+                _merge.hashed_keys, (seed, timestep, nodes["importance"], keys)
+            )
         if cells:
             nodes["partition"] = gm.graph.call_function(_merge.hashed_partition,
                                                         (seed, timestep, cells, choices))
@@ -326,7 +327,7 @@ def _select_blocks(decisions: list[BlockPlan | Skip], found: list[_sites.Attenti
         return decisions
     out: list[BlockPlan | Skip] = []
     k = 0
-    for site, decision in zip(found, decisions):
+    for site, decision in zip(found, decisions, strict=True):
         rows = passes[min(site.unet_pass, len(passes) - 1)].rows
         spatial = site.kind == "self-attention" and _sites.temporal_reason(site, rows) is None
         if spatial and isinstance(decision, BlockPlan) and k not in config.blocks:
@@ -369,7 +370,7 @@ def _quiet_torch_logs() -> Iterator[None]:
     try:
         yield
     finally:
-        for lg, level in zip(loggers, levels):
+        for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)
 
 
@@ -457,18 +458,21 @@ def _report(found: list[_sites.AttentionSite], decisions: list[BlockPlan | Skip]
     """One row per attention site, in graph order."""
     by_path = {(p.site.path, p.site.unet_pass): p for p in kept}
     makers = _plan_makers(kept, config)
-    sharing = {p.site.path: kept[m].site.path for p, m in zip(kept, makers) if kept[m] is not p}
+    sharing = {p.site.path: kept[m].site.path for p, m in zip(kept, makers, strict=True) if kept[m] is not p}
     merged_with = {t.path: p for p in kept for t in p.targets if t.path != p.site.path}
     rows = []
-    for site, decision in zip(found, decisions):
+    for site, decision in zip(found, decisions, strict=True):
         plan, partner = by_path.get((site.path, site.unet_pass)), merged_with.get(site.path)
         kind = site.kind + (" + reference" if site.reference is not None else "")
         row = {"path": site.path, "kind": kind, "tokens": site.tokens}
         if plan is not None:
             maker = sharing.get(site.path)
-            reason = (f"downsample {plan.downsample} <= max_downsample={config.max_downsample}, "
-                      f"r={plan.merged}{mode.note}" + (f"; plan shared from {maker}" if maker else "")
-                      + (f"; {site.reference_tokens} reference tokens kept" if site.reference is not None else ""))
+            reason = (
+                f"downsample {plan.downsample} <= max_downsample={config.max_downsample}, "
+                f"r={plan.merged}{mode.note}"
+                + (f"; plan shared from {maker}" if maker else "")
+                + (f"; {site.reference_tokens} reference tokens kept" if site.reference is not None else "")
+            )
             rows.append(ToMeSite(**row, tokens_after=plan.tokens - plan.merged, grid=plan.grid,
                                  downsample=plan.downsample, rewritten=True, reason=reason,
                                  targets=tuple(t.name for t in plan.targets)))

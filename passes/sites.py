@@ -145,7 +145,11 @@ def _softmax_input(node: Any) -> Any:
             return None
         if _is_call(node, _SOFTMAX_OPS) or (node.op == "call_method" and node.target == "softmax"):
             return node.args[0]
-        if node.op == "call_method" and node.target in ("to", "float", "half", "bfloat16") or _is_call(node, {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype}):
+        if (
+            node.op == "call_method"
+            and node.target in ("to", "float", "half", "bfloat16")
+            or _is_call(node, {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype})
+        ):
             node = node.args[0]
         else:
             return None
@@ -222,7 +226,12 @@ def _reference_of(kv: fx.Node, source: fx.Node) -> fx.Node | None:
     dim = kv.args[1] if len(kv.args) > 1 else kv.kwargs.get("dim", 0)
     first, reference = kv.args[0]
     shape = node_shape(source)
-    if first is not source or not isinstance(reference, fx.Node) or shape is None or dim not in (1, 1 - len(shape)):
+    if (
+        first is not source
+        or not isinstance(reference, fx.Node)
+        or shape is None
+        or dim not in (1, 1 - len(shape))
+    ):
         return None
     return reference
 
@@ -254,11 +263,19 @@ def find_attention_sites(gm: fx.GraphModule) -> list[AttentionSite]:
         shape = node_shape(source)
         tokens = shape[1] if shape is not None and len(shape) == 3 else None
         ref_shape = node_shape(reference) if reference is not None else None
-        site = AttentionSite(path=path, kind=kind, form=form, anchor=node, input=source,
-                             output=exits[0] if len(exits) == 1 else None, nodes=nodes,
-                             tokens=tokens if isinstance(tokens, int) else None, reference=reference,
-                             reference_tokens=int(ref_shape[1]) if ref_shape and isinstance(ref_shape[1], int) else None,
-                             unet_pass=which)
+        site = AttentionSite(
+            path=path,
+            kind=kind,
+            form=form,
+            anchor=node,
+            input=source,
+            output=exits[0] if len(exits) == 1 else None,
+            nodes=nodes,
+            tokens=tokens if isinstance(tokens, int) else None,
+            reference=reference,
+            reference_tokens=int(ref_shape[1]) if ref_shape and isinstance(ref_shape[1], int) else None,
+            unet_pass=which,
+        )
         if not path:
             site.problem = "no nn_module_stack metadata to scope the region"
         elif len(exits) != 1:
@@ -317,10 +334,15 @@ def unet_passes(gm: fx.GraphModule) -> list[UNetPass]:
         shape = node_shape(conv.args[0]) if conv is not None else None
         grid = node_shape(conv) if conv is not None else None
         four = shape is not None and len(shape) == 4
-        out.append(UNetPass(
-            latent=(int(shape[2]), int(shape[3])) if four and _static(shape[2:]) else None,
-            grid=(int(grid[2]), int(grid[3])) if grid is not None and len(grid) == 4 and _static(grid[2:]) else None,
-            rows=int(shape[0]) if four and isinstance(shape[0], int) else None))
+        out.append(
+            UNetPass(
+                latent=(int(shape[2]), int(shape[3])) if four and _static(shape[2:]) else None,
+                grid=(int(grid[2]), int(grid[3]))
+                if grid is not None and len(grid) == 4 and _static(grid[2:])
+                else None,
+                rows=int(shape[0]) if four and isinstance(shape[0], int) else None,
+            )
+        )
     return out
 
 

@@ -56,9 +56,21 @@ TINY_SVD: dict[str, Any] = dict(
 
 # PixArt-α's DiT (adaLN-single blocks, patch 2): a 16 x 16 latent is an 8 x 8 token grid.
 TINY_PIXART: dict[str, Any] = dict(
-    num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=4, cross_attention_dim=16,
-    sample_size=16, patch_size=2, norm_type="ada_norm_single", caption_channels=32, attention_bias=True,
-    activation_fn="gelu-approximate", num_embeds_ada_norm=1000, norm_elementwise_affine=False, norm_eps=1e-6,
+    num_attention_heads=2,
+    attention_head_dim=8,
+    in_channels=4,
+    out_channels=8,
+    num_layers=4,
+    cross_attention_dim=16,
+    sample_size=16,
+    patch_size=2,
+    norm_type="ada_norm_single",
+    caption_channels=32,
+    attention_bias=True,
+    activation_fn="gelu-approximate",
+    num_embeds_ada_norm=1000,
+    norm_elementwise_affine=False,
+    norm_eps=1e-6,
     use_additional_conditions=False,
 )
 
@@ -75,15 +87,19 @@ def tiny_pixart_inputs(batch: int = 2, seed: int = 0) -> tuple[torch.Tensor, dic
     """``(latent, kwargs)`` as ``PixArtAlphaPipeline`` calls the transformer (a timestep per image)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, 4, 16, 16, generator=g), {
-        "encoder_hidden_states": torch.randn(batch, 7, 32, generator=g), "timestep": torch.tensor([999] * batch),
-        "added_cond_kwargs": {"resolution": None, "aspect_ratio": None}}
+        "encoder_hidden_states": torch.randn(batch, 7, 32, generator=g),
+        "timestep": torch.tensor([999] * batch),
+        "added_cond_kwargs": {"resolution": None, "aspect_ratio": None},
+    }
 
 
 def tiny_video_unet(kind: str, seed: int = 0) -> torch.nn.Module:
     from diffusers import UNetMotionModel, UNetSpatioTemporalConditionModel
 
-    cls, config = {"animatediff": (UNetMotionModel, TINY_ANIMATEDIFF), "svd": (UNetSpatioTemporalConditionModel,
-                                                                               TINY_SVD)}[kind]
+    cls, config = {
+        "animatediff": (UNetMotionModel, TINY_ANIMATEDIFF),
+        "svd": (UNetSpatioTemporalConditionModel, TINY_SVD),
+    }[kind]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return cls(**config).eval()
@@ -100,8 +116,11 @@ def tiny_video_inputs(kind: str, batch: int = 2, frames: int = 3, hw: tuple[int,
         ehs = torch.randn(batch, 7, 32, generator=g).repeat_interleave(frames, dim=0)
         return sample, {"timestep": torch.tensor(999), "encoder_hidden_states": ehs}
     sample = torch.randn(batch, frames, 8, *hw, generator=g)
-    return sample, {"timestep": torch.tensor(999), "encoder_hidden_states": torch.randn(batch, 1, 32, generator=g),
-                    "added_time_ids": torch.tensor([[6.0, 127.0, 0.02]] * batch)}
+    return sample, {
+        "timestep": torch.tensor(999),
+        "encoder_hidden_states": torch.randn(batch, 1, 32, generator=g),
+        "added_time_ids": torch.tensor([[6.0, 127.0, 0.02]] * batch),
+    }
 
 
 def tiny_vae() -> torch.nn.Module:
@@ -152,10 +171,24 @@ def tiny_pipeline_folder(folder: Any) -> Any:
                                 down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
                                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
                                 attention_head_dim=2, norm_num_groups=8)
-    vae = AutoencoderKL(block_out_channels=(8,), down_block_types=("DownEncoderBlock2D",),
-                        up_block_types=("UpDecoderBlock2D",), latent_channels=4, norm_num_groups=8, sample_size=8)
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=tokenizer, unet=unet, scheduler=DDIMScheduler(),
-                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    vae = AutoencoderKL(
+        block_out_channels=(8,),
+        down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",),
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=8,
+    )
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=DDIMScheduler(),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
     pipe.save_pretrained(folder / "pipe")
     return folder / "pipe"
 

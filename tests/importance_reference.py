@@ -48,7 +48,7 @@ def reference_merge_unmerge(metric: torch.Tensor, x: torch.Tensor, importance: t
                 if s not in set(merged):
                     out[image, s] = x[image, s]
                     rows.append(x[image, s])
-            for d, members in groups.items():
+            for members in groups.values():
                 mean = torch.stack([x[image, t] for t in members]).mean(0)
                 rows.append(mean)
                 for t in members:

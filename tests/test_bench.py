@@ -49,8 +49,20 @@ def test_memory_bench_measures_in_fresh_processes(tmp_path):
     folder = tmp_path / "tiny"
     tiny_unet("sd15").save_pretrained(folder)
     out = tmp_path / "t.onnx"
-    result = measure_export([str(out), "--model", str(folder), "--height", "64", "--width", "64", "--seq-len", "7",
-                             "--no-cuda-check"])
+    result = measure_export(
+        [
+            str(out),
+            "--model",
+            str(folder),
+            "--height",
+            "64",
+            "--width",
+            "64",
+            "--seq-len",
+            "7",
+            "--no-cuda-check",
+        ]
+    )
     assert result["returncode"] == 0 and out.is_file()
     names = [s["stage"] for s in result["stages"]]
     assert names[1] == "loading the U-Net" and any(n.startswith("converting to ONNX") for n in names)
@@ -60,4 +72,8 @@ def test_memory_bench_measures_in_fresh_processes(tmp_path):
     assert len(row["peaks_gb"]) == 2 and row["median_s"] > 0 and row["resting_gb"] > 0.1
     # negative: a refused export is an exit code, not a table of zeros
     bad = measure_export([str(tmp_path / "x.onnx"), "--model", str(folder), "--height", "60"])
-    assert bad["returncode"] == 2 and "multiple of 8" in bad["stderr_tail"] and not (tmp_path / "x.onnx").exists()
+    assert (
+        bad["returncode"] == 2
+        and "multiple of 8" in bad["stderr_tail"]
+        and not (tmp_path / "x.onnx").exists()
+    )

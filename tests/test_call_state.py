@@ -32,7 +32,9 @@ def steps(model, inputs, latent, timesteps, barrier=None):
         if barrier is not None:
             barrier.wait(timeout=60)
         with torch.no_grad():
-            outs.append(model(latent, torch.tensor(t), encoder_hidden_states=inputs.encoder_hidden_states).sample)
+            outs.append(
+                model(latent, torch.tensor(t), encoder_hidden_states=inputs.encoder_hidden_states).sample
+            )
     return outs
 
 
@@ -49,9 +51,17 @@ def generate(pipe, latents, steps=4, **kwargs):
     g = torch.Generator().manual_seed(0)
     emb = torch.randn(1, 7, 32, generator=g)
     with torch.no_grad():
-        return pipe(prompt_embeds=emb, negative_prompt_embeds=torch.zeros(1, 7, 32), num_inference_steps=steps,
-                    guidance_scale=7.5, height=16, width=16, output_type="latent", latents=latents,
-                    **kwargs).images
+        return pipe(
+            prompt_embeds=emb,
+            negative_prompt_embeds=torch.zeros(1, 7, 32),
+            num_inference_steps=steps,
+            guidance_scale=7.5,
+            height=16,
+            width=16,
+            output_type="latent",
+            latents=latents,
+            **kwargs,
+        ).images
 
 
 def latent(seed):
@@ -175,7 +185,9 @@ def session_loop(session, inputs, sample, timesteps, numpy=False):
                           encoder_hidden_states=inputs.encoder_hidden_states.numpy())[0]
             outs.append(torch.from_numpy(out))
         else:
-            outs.append(session(sample, torch.tensor(t), encoder_hidden_states=inputs.encoder_hidden_states).sample)
+            outs.append(
+                session(sample, torch.tensor(t), encoder_hidden_states=inputs.encoder_hidden_states).sample
+            )
     return outs
 
 
@@ -186,7 +198,9 @@ def test_2_numpy_timesteps_start_new_generations(every_export, sd15):
     session = ToMeSession(every_export, seed=3)
     session_loop(session, inputs, inputs.sample, [999, 500], numpy=True)
     second = session_loop(session, inputs, inputs.sample.flip(-1), [999, 500], numpy=True)
-    fresh = session_loop(ToMeSession(every_export, seed=3), inputs, inputs.sample.flip(-1), [999, 500], numpy=True)
+    fresh = session_loop(
+        ToMeSession(every_export, seed=3), inputs, inputs.sample.flip(-1), [999, 500], numpy=True
+    )
     assert all(torch.equal(a, b) for a, b in zip(second, fresh, strict=True))
     assert session.call_state().generations == 2 and session.call_state().plans_made == 2
     out = session(sample=inputs.sample.numpy(), timestep=np.int64(999),
@@ -205,9 +219,16 @@ def onnx_pipeline(path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pipe = OnnxStableDiffusionPipeline(
-            vae_encoder=None, vae_decoder=lambda latent_sample: [latent_sample], text_encoder=None, tokenizer=None,
-            unet=unet, scheduler=DDIMScheduler(clip_sample=False), safety_checker=None, feature_extractor=None,
-            requires_safety_checker=False)
+            vae_encoder=None,
+            vae_decoder=lambda latent_sample: [latent_sample],
+            text_encoder=None,
+            tokenizer=None,
+            unet=unet,
+            scheduler=DDIMScheduler(clip_sample=False),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -215,9 +236,15 @@ def onnx_pipeline(path):
 def test_2_onnx_pipeline_through_apply(every_export):
     def image(pipe, seed):
         g = np.random.RandomState(seed)
-        return pipe(prompt_embeds=np.ones((1, 7, 32), np.float32), negative_prompt_embeds=np.zeros((1, 7, 32), np.float32),
-                    height=128, width=128, num_inference_steps=3, output_type="np",
-                    latents=g.randn(1, 4, 16, 16).astype(np.float32)).images
+        return pipe(
+            prompt_embeds=np.ones((1, 7, 32), np.float32),
+            negative_prompt_embeds=np.zeros((1, 7, 32), np.float32),
+            height=128,
+            width=128,
+            num_inference_steps=3,
+            output_type="np",
+            latents=g.randn(1, 4, 16, 16).astype(np.float32),
+        ).images
 
     pipe = tome_compile.apply(onnx_pipeline(every_export), seed=3)  # the unet becomes a ToMeSession
     assert type(pipe.unet).__name__ == "ToMeSession" and pipe.tome is pipe.unet
@@ -236,8 +263,9 @@ def test_6_partition_input_export_equals_the_backend_at_an_odd_batch(every_expor
     one = inputs.sample[:1]
     emb = copy.copy(inputs)
     emb.encoder_hidden_states = inputs.encoder_hidden_states[:1]
-    for odd, even in zip(session_loop(session, emb, one, [999, 800, 600]), steps(model, emb, one, [999, 800, 600]),
-                         strict=True):
+    for odd, even in zip(
+        session_loop(session, emb, one, [999, 800, 600]), steps(model, emb, one, [999, 800, 600]), strict=True
+    ):
         assert (odd - even).abs().max() < 1e-5
     # ... and the even batch after it still draws the backend's sequence
     session_two = session_loop(session, inputs, inputs.sample, [999, 800, 600])
@@ -308,7 +336,11 @@ def test_9_the_graph_refuses_plans_of_another_batch(every_export, sd15):
            "encoder_hidden_states": inputs.encoder_hidden_states[:1].numpy(),
            "tome_partition": np.zeros(3 * 64, dtype=np.int64)}  # 3 blocks of 8 x 8 cells
     _, slots, weights = raw.run(None, one)  # a batch-1 call's plans
-    two = {**one, "sample": inputs.sample.numpy(), "encoder_hidden_states": inputs.encoder_hidden_states.numpy()}
+    two = {
+        **one,
+        "sample": inputs.sample.numpy(),
+        "encoder_hidden_states": inputs.encoder_hidden_states.numpy(),
+    }
     with pytest.raises(Exception, match="(?i)mismatch|invalid|dimension"):  # not broadcast to both images
         raw.run(None, {**two, "tome_plan_slots": slots, "tome_plan_weights": weights,
                        "tome_reuse_plan": np.array(True)})
@@ -504,5 +536,8 @@ def test_17_export_of_blocks_that_do_not_exist_is_refused(tmp_path, capsys):
     code = main([str(out), "--model", str(folder), "--height", "128", "--width", "128", "--seq-len", "7",
                  "--blocks", "99"])
     err = capsys.readouterr().err
-    assert code == 2 and "blocks=99 selects none of the blocks max_downsample=1 allows in this model (0,2-3" in err
+    assert (
+        code == 2
+        and "blocks=99 selects none of the blocks max_downsample=1 allows in this model (0,2-3" in err
+    )
     assert not out.exists() and not list(tmp_path.glob(".out.onnx.partial-*"))

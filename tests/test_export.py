@@ -33,16 +33,25 @@ def sd15_folder(tmp_path_factory, unet):
 def exported(tmp_path_factory, unet):
     """The default export: fused attention, any batch, float timestep, hashed destinations."""
     out = tmp_path_factory.mktemp("onnx") / "unet.onnx"
-    return export_onnx(copy.deepcopy(unet), out, ToMeConfig(ratio=0.5, seed=0), height=HW, width=HW, seq_len=7,
-                       atol=1e-4)
+    return export_onnx(
+        copy.deepcopy(unet), out, ToMeConfig(ratio=0.5, seed=0), height=HW, width=HW, seq_len=7, atol=1e-4
+    )
 
 
 @pytest.fixture(scope="module")
 def exported_partition(tmp_path_factory, unet):
     """--partition-input: the destinations drawn by the caller (bit-exact with tome_backend)."""
     out = tmp_path_factory.mktemp("onnx_partition") / "unet.onnx"
-    return export_onnx(copy.deepcopy(unet), out, ToMeConfig(ratio=0.5, seed=0), height=HW, width=HW, seq_len=7,
-                       atol=1e-4, partition_input=True)
+    return export_onnx(
+        copy.deepcopy(unet),
+        out,
+        ToMeConfig(ratio=0.5, seed=0),
+        height=HW,
+        width=HW,
+        seq_len=7,
+        atol=1e-4,
+        partition_input=True,
+    )
 
 
 def ort_session(path):
@@ -81,7 +90,9 @@ def test_default_export_is_what_ort_users_deploy(exported, unet):
     assert ops.count(("com.microsoft", "MultiHeadAttention")) == attention_modules(unet) == 8
     assert not any(op.startswith("Random") for _, op in ops)  # destinations hashed, not drawn
     assert not {"ReduceL2", "ReduceMax", "Softmax"} & {op for _, op in ops}  # shape inference reads all
-    assert "GroupNormalization" not in {op for _, op in ops}  # opset 20: InstanceNormalization (CUDA EP has it)
+    assert "GroupNormalization" not in {
+        op for _, op in ops
+    }  # opset 20: InstanceNormalization (CUDA EP has it)
     inputs = {i.name: i.type.tensor_type for i in model.graph.input}
     assert inputs["timestep"].elem_type == onnx.TensorProto.FLOAT
     assert [d.dim_value for d in inputs["timestep"].shape.dim] == [1]
@@ -107,8 +118,12 @@ def test_unfusable_attention_is_refused_not_half_fused(tmp_path, unet):
 
     classic = copy.deepcopy(unet)
     classic.set_attn_processor(AttnProcessor())  # baddbmm + softmax: no scaled_dot_product_attention
-    with pytest.raises(ToMeExportError, match="0 of the U-Net's 8 attentions became MultiHeadAttention.*--portable"):
-        export_onnx(classic, tmp_path / "c.onnx", ToMeConfig(ratio=0.5, seed=0), height=HW, width=HW, seq_len=7)
+    with pytest.raises(
+        ToMeExportError, match="0 of the U-Net's 8 attentions became MultiHeadAttention.*--portable"
+    ):
+        export_onnx(
+            classic, tmp_path / "c.onnx", ToMeConfig(ratio=0.5, seed=0), height=HW, width=HW, seq_len=7
+        )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -160,7 +175,9 @@ def test_session_equals_compiled_backend(exported_partition, unet):
     compiled = torch.compile(copy.deepcopy(unet), backend=backend, fullgraph=True)
     inputs = tiny_inputs(unet)
     for _ in range(2):
-        got = session(inputs.sample, inputs.timestep, encoder_hidden_states=inputs.encoder_hidden_states).sample
+        got = session(
+            inputs.sample, inputs.timestep, encoder_hidden_states=inputs.encoder_hidden_states
+        ).sample
         assert (got - call(compiled, inputs)).abs().max() < 1e-4
     tuple_out = session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states, return_dict=False)
     assert isinstance(tuple_out, tuple) and tuple_out[0].shape == inputs.sample.shape
@@ -192,11 +209,19 @@ def test_fp16_export_runs_on_the_cpu_ep(tmp_path, unet, exported):
     assert result.parity_max_rel is not None and result.parity_max_rel < 1e-2
     model = onnx.load(str(result.path), load_external_data=False)
     scatters = [n for n in model.graph.node if n.op_type == "ScatterElements"]
-    assert scatters and all(n.input[0] in {c.output[0] for c in model.graph.node if c.op_type == "Cast"}
-                            for n in scatters if any(a.name == "reduction" and a.s == b"add" for a in n.attribute))
+    assert scatters and all(
+        n.input[0] in {c.output[0] for c in model.graph.node if c.op_type == "Cast"}
+        for n in scatters
+        if any(a.name == "reduction" and a.s == b"add" for a in n.attribute)
+    )
     feed = standard_feed(2)
-    half = ort_session(result.path).run(None, {k: v.astype(np.float16) if v.dtype == np.float32 and k != "timestep"
-                                              else v for k, v in feed.items()})[0]
+    half = ort_session(result.path).run(
+        None,
+        {
+            k: v.astype(np.float16) if v.dtype == np.float32 and k != "timestep" else v
+            for k, v in feed.items()
+        },
+    )[0]
     full = ort_session(exported.path).run(None, feed)[0]
     assert half.dtype == np.float16
     # fp16 vs the fp32 export: same destinations, fp16 rounding only
@@ -232,9 +257,19 @@ def test_sdxl_fp16_export_into_an_optimum_folder_optimized(tmp_path, capsys):
                  "--seq-len", "7", "--max-downsample", "2", "--fp16", "--optimize", "cpu", "--no-rand"])
     printed = capsys.readouterr().out
     assert code == 0, printed
-    assert "rewrote 6 of" in printed and "ONNX Runtime optimizer (cpu)" in printed and "MultiHeadAttention 28" in printed
+    assert (
+        "rewrote 6 of" in printed
+        and "ONNX Runtime optimizer (cpu)" in printed
+        and "MultiHeadAttention 28" in printed
+    )
     session = ToMeSession(folder / "unet" / "model.onnx", seed=0)
-    assert list(session.inputs)[:5] == ["sample", "timestep", "encoder_hidden_states", "text_embeds", "time_ids"]
+    assert list(session.inputs)[:5] == [
+        "sample",
+        "timestep",
+        "encoder_hidden_states",
+        "text_embeds",
+        "time_ids",
+    ]
     assert session.dtype == torch.float16 and session.meta["dtype"] == "float16"
     inputs = tiny_inputs(unet)
     half = copy.copy(inputs)
@@ -294,8 +329,23 @@ def test_inventory_flags_ops_without_cuda_kernel(tmp_path):
 
 def test_cli_success(tmp_path, sd15_folder, capsys):
     out = tmp_path / "cli.onnx"
-    code = main([str(out), "--model", str(sd15_folder), "--height", str(HW), "--width", str(HW), "--seq-len", "7",
-                 "--ratio", "0.4", "--optimize", "cpu"])
+    code = main(
+        [
+            str(out),
+            "--model",
+            str(sd15_folder),
+            "--height",
+            str(HW),
+            "--width",
+            str(HW),
+            "--seq-len",
+            "7",
+            "--ratio",
+            "0.4",
+            "--optimize",
+            "cpu",
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0
     assert out.is_file() and (tmp_path / "cli.onnx.data").is_file()
@@ -313,8 +363,15 @@ def test_cli_success(tmp_path, sd15_folder, capsys):
 def test_optimizer_finds_the_plain_exports_fusions(tmp_path, unet, exported):
     from tome_compile.export.onnx_export import optimize_for_ort
 
-    plain = export_onnx(copy.deepcopy(unet), tmp_path / "plain.onnx", ToMeConfig(ratio=0.0), height=HW, width=HW,
-                        seq_len=7, check_parity=False)
+    plain = export_onnx(
+        copy.deepcopy(unet),
+        tmp_path / "plain.onnx",
+        ToMeConfig(ratio=0.0),
+        height=HW,
+        width=HW,
+        seq_len=7,
+        check_parity=False,
+    )
     assert plain.report.rewritten == [] and plain.fused_attention == 8
     for provider in ("cpu", "cuda"):
         ours = optimize_for_ort(exported.path, tmp_path / f"ours_{provider}.onnx", provider)
@@ -352,16 +409,21 @@ def test_optimizer_leaves_the_weights_on_disk_and_writes_only_live_ones(tmp_path
     out = onnx.load(str(dst), load_external_data=False)
     used = {name for n in out.graph.node for name in n.input}
     stored = [t for t in out.graph.initializer if uses_external_data(t)]
-    assert {t.name for t in stored} <= used and {ExternalDataInfo(t).location for t in stored} == {"unet.onnx.data"}
+    assert {t.name for t in stored} <= used and {ExternalDataInfo(t).location for t in stored} == {
+        "unet.onnx.data"
+    }
     assert (dst.parent / "unet.onnx.data").stat().st_size == sum(ExternalDataInfo(t).length for t in stored)
-    full_src = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(exported.path)).graph.initializer}
+    full_src = {
+        t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(exported.path)).graph.initializer
+    }
     full_out = onnx.load(str(dst))
     for t in full_out.graph.initializer:
         if t.name in matrices:  # streamed from the source's data file
             np.testing.assert_array_equal(onnx.numpy_helper.to_array(t), full_src[t.name])
     feed = standard_feed(2)
-    np.testing.assert_allclose(ort_session(dst).run(None, feed)[0], ort_session(exported.path).run(None, feed)[0],
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        ort_session(dst).run(None, feed)[0], ort_session(exported.path).run(None, feed)[0], atol=1e-5
+    )
 
 
 def test_into_replaces_the_unet_of_an_optimum_folder(tmp_path, sd15_folder, capsys):
@@ -395,14 +457,17 @@ def _optimum_folder(tmp_path, pipeline="ORTStableDiffusionPipeline"):
     x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4])
     y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4])
     w = onnx.numpy_helper.from_array(np.ones(4096, np.float32)[:4].copy(), "w")
-    model = onnx.helper.make_model(onnx.helper.make_graph([onnx.helper.make_node("Add", ["x", "w"], ["y"])], "old",
-                                                          [x], [y], [w]))
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph([onnx.helper.make_node("Add", ["x", "w"], ["y"])], "old", [x], [y], [w])
+    )
     onnx.save(model, str(folder / "unet" / "model.onnx"), save_as_external_data=True,
               location="model.onnx_data", size_threshold=0)
     return folder
 
 
-@pytest.mark.parametrize("give_model, words", [(False, "--into needs --model"), (True, "cross_attention_dim")])
+@pytest.mark.parametrize(
+    "give_model, words", [(False, "--into needs --model"), (True, "cross_attention_dim")]
+)
 def test_into_refuses_and_keeps_the_old_unet(tmp_path, sd15_folder, capsys, give_model, words):
     folder = _optimum_folder(tmp_path)
     extra = []
@@ -410,7 +475,10 @@ def test_into_refuses_and_keeps_the_old_unet(tmp_path, sd15_folder, capsys, give
         (folder / "unet" / "config.json").write_text('{"in_channels": 4, "cross_attention_dim": 768}')
         extra = ["--model", str(sd15_folder)]
     before = {p.name: p.read_bytes() for p in (folder / "unet").iterdir()}
-    assert main(["--into", str(folder)] + extra + ["--height", str(HW), "--width", str(HW), "--seq-len", "7"]) == 2
+    assert (
+        main(["--into", str(folder)] + extra + ["--height", str(HW), "--width", str(HW), "--seq-len", "7"])
+        == 2
+    )
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err
     assert {p.name: p.read_bytes() for p in (folder / "unet").iterdir()} == before
@@ -432,7 +500,17 @@ def test_cli_rejects_opsets_the_exporter_cannot_write(tmp_path, sd15_folder, cap
     (["--batch", "0"], "--batch 0"),
 ])
 def test_cli_bad_input(tmp_path, sd15_folder, capsys, argv, words):
-    args = [str(tmp_path / "bad.onnx"), "--model", str(sd15_folder), "--height", str(HW), "--width", str(HW), "--seq-len", "7"]
+    args = [
+        str(tmp_path / "bad.onnx"),
+        "--model",
+        str(sd15_folder),
+        "--height",
+        str(HW),
+        "--width",
+        str(HW),
+        "--seq-len",
+        "7",
+    ]
     code = main(args + argv)
     err = capsys.readouterr().err
     assert code == 2
@@ -508,8 +586,14 @@ def test_importance_default_export_runs_with_standard_inputs(tmp_path, unet):
     with_defaults = session.run(None, {**feed, "tome_has_map": np.array(False),
                                        "tome_importance": np.zeros((1, 16, 16), np.float32)})[0]
     assert np.array_equal(plain, with_defaults)
-    mapped = session.run(None, {**feed, "tome_has_map": np.array(True),
-                                "tome_importance": np.random.default_rng(0).random((1, 16, 16), np.float32)})[0]
+    mapped = session.run(
+        None,
+        {
+            **feed,
+            "tome_has_map": np.array(True),
+            "tome_importance": np.random.default_rng(0).random((1, 16, 16), np.float32),
+        },
+    )[0]
     assert np.abs(mapped - plain).max() > 1e-4  # the importance branch merges other tokens
     # through ToMeSession: step 1 without a map, step 2 with the previous step's
     tome_session = ToMeSession(result.path, seed=0)
@@ -637,7 +721,9 @@ def test_sigterm_cleans_up(tmp_path, sd15_folder):
 
 
 @pytest.mark.parametrize("signum, code", [("SIGTERM", 143), ("SIGINT", 130)])
-def test_a_swallowed_interrupt_still_stops_the_export(tmp_path, sd15_folder, monkeypatch, capsys, signum, code):
+def test_a_swallowed_interrupt_still_stops_the_export(
+    tmp_path, sd15_folder, monkeypatch, capsys, signum, code
+):
     # A library between the handler and main() can lose the exception the handler raises (CI saw a
     # SIGTERMed export run to the end and exit 0): the next step must stop it all the same.
     import os

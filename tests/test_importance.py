@@ -113,7 +113,7 @@ class RecordingCompiler:
         self.graphs.append(record)
 
         def run(*args):
-            record["calls"].append({k: v for k, v in zip(names, args) if k.startswith("tome_")})
+            record["calls"].append({k: v for k, v in zip(names, args, strict=True) if k.startswith("tome_")})
             return gm.forward(*args)
 
         return run

@@ -35,7 +35,7 @@ def test_load_unet_and_pipeline_folders(tmp_path):
     unet.save_pretrained(tmp_path / "pipe" / "unet")
     loaded, description = load_unet(tmp_path / "pipe")  # a pipeline folder: its unet/ is used
     assert "local U-Net" in description and description.endswith("unet")
-    for a, b in zip(loaded.state_dict().values(), unet.state_dict().values()):
+    for a, b in zip(loaded.state_dict().values(), unet.state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
 

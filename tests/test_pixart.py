@@ -72,7 +72,9 @@ def test_importance_reads_the_noise_half_of_a_learned_sigma_output():
     backend = tome_backend(0.5, compiler=recorder, method="importance", pool_factor=1.0, blocks=range(1, 3),
                            merge_crossattn=True, seed=3)
     model = torch.compile(copy.deepcopy(dit), backend=backend, fullgraph=True)
-    plain_tome, _ = compiled(dit, ratio=0.5, pool_factor=1.0, blocks=range(1, 3), merge_crossattn=True, seed=3)
+    plain_tome, _ = compiled(
+        dit, ratio=0.5, pool_factor=1.0, blocks=range(1, 3), merge_crossattn=True, seed=3
+    )
     rng = torch.get_rng_state()
     outs = []
     for t in (999, 900, 800):
@@ -120,9 +122,19 @@ def test_onnx_runtime_equals_the_compiled_backend_call_by_call(tmp_path, method)
     from tome_compile.export import ToMeSession, export_onnx
 
     dit = tiny_pixart()
-    config = ToMeConfig(ratio=0.5, method=method, seed=0, blocks=(1, 2), merge_crossattn=True, pool_factor=1.0)
-    result = export_onnx(copy.deepcopy(dit), tmp_path / "pixart.onnx", config, height=128, width=128, seq_len=7,
-                         atol=1e-4, partition_input=True)
+    config = ToMeConfig(
+        ratio=0.5, method=method, seed=0, blocks=(1, 2), merge_crossattn=True, pool_factor=1.0
+    )
+    result = export_onnx(
+        copy.deepcopy(dit),
+        tmp_path / "pixart.onnx",
+        config,
+        height=128,
+        width=128,
+        seq_len=7,
+        atol=1e-4,
+        partition_input=True,
+    )
     assert result.input_names[:4] == ["sample", "timestep", "encoder_hidden_states", "encoder_attention_mask"]
     assert len(result.report.rewritten) == 4
     assert result.fused_attention == 4  # the self-attentions; the masked cross-attentions stay plain ONNX

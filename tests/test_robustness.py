@@ -34,12 +34,12 @@ def test_importance_python_int_timesteps_reset_per_generation(sd15):
     steps = [999, 500, 250]
     first = run_steps(model, inputs, steps, as_tensor=False)
     second = run_steps(model, inputs, steps, as_tensor=False)  # no reset(): found from the timestep
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
     # ...and the same numbers as tensor timesteps (the path that always worked)
     tensor_backend = tome_backend(0.5, compiler="eager", method="importance", use_rand=False)
     tensor_model = torch.compile(copy.deepcopy(unet), backend=tensor_backend)
-    for a, b in zip(first, run_steps(tensor_model, inputs, steps, as_tensor=True)):
+    for a, b in zip(first, run_steps(tensor_model, inputs, steps, as_tensor=True), strict=True):
         assert (a - b).abs().max() < 1e-5
     # negative: without the reset the first step of generation 2 would have used a map
     assert backend.importance.calls == 6 and backend.importance.map is not None
@@ -176,7 +176,7 @@ def test_dynamic_true_with_python_int_timesteps_says_what_to_do(sd15):
     with pytest.warns(ToMeWarning, match=r"torch.tensor\(t\)"):
         outs = run_steps(model, inputs, [999, 500], as_tensor=False)
     expected = run_steps(ref, inputs, [999, 500], as_tensor=False)
-    for a, b in zip(outs, expected):  # correct numbers for every timestep value
+    for a, b in zip(outs, expected, strict=True):  # correct numbers for every timestep value
         assert (a - b).abs().max() < 1e-4
 
 

@@ -18,9 +18,9 @@ import torch
 
 ray = pytest.importorskip("ray")  # the test extra installs ray[serve]; skip cleanly elsewhere
 
-from tome_compile.serve.bench import free_port, post, wait_healthy
-from tome_compile.serve.engine import Engine, ServeSpec
-from tome_compile.serve.request import Limits, RequestError, parse_job
+from tome_compile.serve.bench import free_port, post, wait_healthy  # noqa: E402 (after the importorskip)
+from tome_compile.serve.engine import Engine, ServeSpec  # noqa: E402 (after the importorskip)
+from tome_compile.serve.request import Limits, RequestError, parse_job  # noqa: E402 (after the importorskip)
 
 STEPS = 3
 BATCH = 3  # --max-batch-size of the test server: every loop runs 3 images (padded)
@@ -48,9 +48,30 @@ def server():
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"tome-serve-test-{port}.log", "w+")  # noqa: SIM115
     process = subprocess.Popen(
-        [sys.executable, "-m", "tome_compile.serve.cli", "--compiler", "eager", "--num-cpus", "2", "--port", str(port),
-         "--max-batch-size", str(BATCH), "--batch-wait-ms", "500", "--max-queued", "4", "--request-timeout-s", "120"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "tome_compile.serve.cli",
+            "--compiler",
+            "eager",
+            "--num-cpus",
+            "2",
+            "--port",
+            str(port),
+            "--max-batch-size",
+            str(BATCH),
+            "--batch-wait-ms",
+            "500",
+            "--max-queued",
+            "4",
+            "--request-timeout-s",
+            "120",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=REPO,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, 300)
@@ -67,7 +88,9 @@ def server():
             process.kill()
             process.wait(30)
     if ray_processes():  # a failed test left processes behind: stop them for the next run
-        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True, check=False)
+        subprocess.run(
+            [str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True, check=False
+        )
 
 
 def generate(base, **body):
@@ -103,8 +126,16 @@ def test_served_pictures_equal_offline_ones_and_tome_differs_from_plain(server):
     torch.set_num_threads(1)  # as in the replica (Ray gives it 1 CPU): the same arithmetic
     try:
         engine = Engine(ServeSpec(compiler="eager", batch_size=BATCH))
-        offline = {ratio: engine.render([parse_job({"prompt": "red circle", "steps": STEPS, "seed": 21,
-                                                    "ratio": ratio}, engine.limits)])[0].png for ratio in (0.5, 0.0)}
+        offline = {
+            ratio: engine.render(
+                [
+                    parse_job(
+                        {"prompt": "red circle", "steps": STEPS, "seed": 21, "ratio": ratio}, engine.limits
+                    )
+                ]
+            )[0].png
+            for ratio in (0.5, 0.0)
+        }
     finally:
         torch.set_num_threads(threads)
     assert served == offline
@@ -197,10 +228,19 @@ LIMITS = Limits(ratios=(0.0, 0.5), default_ratio=0.5, sizes=(32,), default_size=
 def test_a_request_takes_defaults_and_keeps_its_own_fields():
     job = parse_job({"prompt": "red circle", "seed": 5, "ratio": 0}, LIMITS)
     assert (job.prompt, job.seed) == ("red circle", 5)
-    assert (job.settings.steps, job.settings.guidance, job.settings.ratio, job.settings.size) == (12, 2.5, 0.0, 32)
-    for body, words in [([1, 2], "body: must be a JSON object"), ({"seed": 1}, "prompt: required"),
-                        ({"prompt": "x" * 400}, "prompt: 400 characters"), ({"prompt": "a", "seed": True}, "seed"),
-                        ({"prompt": "a", "seed": 2 ** 63}, "seed: 9223372036854775808 is outside")]:
+    assert (job.settings.steps, job.settings.guidance, job.settings.ratio, job.settings.size) == (
+        12,
+        2.5,
+        0.0,
+        32,
+    )
+    for body, words in [
+        ([1, 2], "body: must be a JSON object"),
+        ({"seed": 1}, "prompt: required"),
+        ({"prompt": "x" * 400}, "prompt: 400 characters"),
+        ({"prompt": "a", "seed": True}, "seed"),
+        ({"prompt": "a", "seed": 2**63}, "seed: 9223372036854775808 is outside"),
+    ]:
         with pytest.raises(RequestError, match=words.replace("[", r"\[")):
             parse_job(body, LIMITS)
 
@@ -211,8 +251,16 @@ def test_the_application_builder_and_the_cluster_config():
 
     from tome_compile.serve.app import build
 
-    app = build({"ratio": "0.5", "compiler": "eager", "batch_size": "8", "min_replicas": "1", "max_replicas": "4",
-                 "sizes": "32,64"})
+    app = build(
+        {
+            "ratio": "0.5",
+            "compiler": "eager",
+            "batch_size": "8",
+            "min_replicas": "1",
+            "max_replicas": "4",
+            "sizes": "32,64",
+        }
+    )
     assert type(app).__name__ == "Application"
     with pytest.raises(ValueError, match=r"unknown argument\(s\) \['colour'\]"):
         build({"colour": "red"})
@@ -238,8 +286,16 @@ def test_a_tome_export_is_served_alone_or_batched_alike(tmp_path):
     from tome_compile.models import load_unet
 
     unet, _ = load_unet("shapes")
-    path = export_onnx(unet, tmp_path / "shapes.onnx", ToMeConfig(ratio=0.5, seed=0), batch=4, height=32, width=32,
-                       seq_len=2, atol=1e-4).path
+    path = export_onnx(
+        unet,
+        tmp_path / "shapes.onnx",
+        ToMeConfig(ratio=0.5, seed=0),
+        batch=4,
+        height=32,
+        width=32,
+        seq_len=2,
+        atol=1e-4,
+    ).path
     engine = Engine(ServeSpec(onnx=str(path), batch_size=2))
     assert engine.limits.ratios == (0.5,) and engine.limits.sizes == (32,)
     alone, batched, other = alone_and_batched(engine, ["red circle", "blue square"])

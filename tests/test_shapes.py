@@ -54,7 +54,7 @@ def test_model_has_1024_token_attention_and_round_trips(tmp_path):
     assert attn is not None and model.unet.config.block_out_channels[0] == 32  # 32x32 = 1024 tokens
     save_model(model, tmp_path)
     loaded = load_model(tmp_path)
-    for (k, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+    for (k, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), k
 
 
@@ -78,7 +78,7 @@ def test_shipped_probe_loads_offline_and_reads_pictures():
     probe = load_probe()  # from the package, no network
     images, prompts = render_batch(range(30_000_000, 30_000_300))  # pictures it never saw
     predicted = probe.predict((torch.from_numpy(images) + 1) / 2)
-    accuracy = sum(p == q for p, q in zip(predicted, prompts)) / len(prompts)
+    accuracy = sum(p == q for p, q in zip(predicted, prompts, strict=True)) / len(prompts)
     assert accuracy >= 0.95
 
 
@@ -94,15 +94,19 @@ def test_shipped_model_loads_offline_and_draws_the_prompt(monkeypatch):
     monkeypatch.setattr(socket.socket, "connect", no_network)
     model, probe = load_model(), load_probe()  # both from the package
     assert sum(p.numel() for p in model.parameters()) > 2_000_000
-    prompts = [f"{c} {s}" for c, s in zip(COLOURS, [*SHAPES, SHAPES[0]])]  # every colour and shape
+    prompts = [
+        f"{c} {s}" for c, s in zip(COLOURS, [*SHAPES, SHAPES[0]], strict=True)
+    ]  # every colour and shape
     images = generate(model, prompts, list(range(len(prompts))), steps=10)
     predicted = probe.predict(images)
-    colours = sum(p.split()[0] == q.split()[0] for p, q in zip(predicted, prompts))
-    both = sum(p == q for p, q in zip(predicted, prompts))
+    colours = sum(p.split()[0] == q.split()[0] for p, q in zip(predicted, prompts, strict=True))
+    both = sum(p == q for p, q in zip(predicted, prompts, strict=True))
     assert colours >= 5 and both >= 4, (predicted, prompts)
     # an untrained model of the same architecture draws nothing the probe recognises this often
-    untrained = probe.predict(generate(build_model(seed=0).eval(), prompts, list(range(len(prompts))), steps=10))
-    assert sum(p == q for p, q in zip(untrained, prompts)) < both
+    untrained = probe.predict(
+        generate(build_model(seed=0).eval(), prompts, list(range(len(prompts))), steps=10)
+    )
+    assert sum(p == q for p, q in zip(untrained, prompts, strict=True)) < both
 
 
 def test_psnr_and_ssim():
@@ -186,10 +190,15 @@ def test_quality_benchmark_tables():
     assert [(e["variant"], e["ratio"]) for e in result["paired"]] == [
         ("importance", 0.3), ("tome-shared-every2", 0.3), ("importance", 0.7), ("tome-shared-every2", 0.7)]
     # the second step reuses the first step's plans: not the exact ToMe picture
-    assert result["per_image"]["tome-shared-every2 0.3"]["psnr_db"] != result["per_image"]["tome 0.3"]["psnr_db"]
+    assert (
+        result["per_image"]["tome-shared-every2 0.3"]["psnr_db"] != result["per_image"]["tome 0.3"]["psnr_db"]
+    )
     delta = result["paired"][0]["delta_psnr_db"][0]
     per = result["per_image"]
-    expected = sum(a - b for a, b in zip(per["importance 0.3"]["psnr_db"], per["tome 0.3"]["psnr_db"])) / 4
+    expected = (
+        sum(a - b for a, b in zip(per["importance 0.3"]["psnr_db"], per["tome 0.3"]["psnr_db"], strict=True))
+        / 4
+    )
     assert abs(delta - expected) < 1e-9
     table = format_tables(result)
     assert "| tome 0.7 |" in table and "| importance | 0.3 |" in table and "plain, other seeds" in table
@@ -214,9 +223,9 @@ def test_quality_bad_input(argv, words, capsys):
 def test_demo_with_a_local_diffusers_pipeline(tmp_path, capsys):
     import json
 
-    from tome_compile.shapes.demo import main
-
     from conftest import tiny_pipeline_folder
+
+    from tome_compile.shapes.demo import main
 
     pipe = tiny_pipeline_folder(tmp_path / "p")
     out = tmp_path / "grid.png"
@@ -246,10 +255,18 @@ def test_demo_with_a_unet_folder(tmp_path, capsys):
     # a U-Net that is not the shapes model's cannot make pictures alone: clear error, nothing written
     from diffusers import UNet2DConditionModel
 
-    UNet2DConditionModel(sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
-                         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), norm_num_groups=8,
-                         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D")).save_pretrained(tmp_path / "sd")
-    assert main(["--model", str(tmp_path / "sd"), "--compiler", "eager", "--out", str(tmp_path / "x.png")]) == 2
+    UNet2DConditionModel(
+        sample_size=8,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        cross_attention_dim=32,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        norm_num_groups=8,
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    ).save_pretrained(tmp_path / "sd")
+    assert (
+        main(["--model", str(tmp_path / "sd"), "--compiler", "eager", "--out", str(tmp_path / "x.png")]) == 2
+    )
     err = capsys.readouterr().err
     assert "model_index.json" in err and "in_channels" in err
     assert not (tmp_path / "x.png").exists() and not (tmp_path / "x.json").exists()
@@ -264,8 +281,9 @@ def test_grid_labels_are_drawn():
     rows = [torch.rand(3, 3, 8, 8, generator=g) for _ in range(2)]
     bare = np.asarray(bare_grid(rows, scale=4))
     columns = [["red circle", "seed 0"], ["blue ring", "seed 0"], ["cyan cross", "seed 1"]]
-    labelled = np.asarray(labelled_grid([(["plain"], rows[0]), (["tome 0.5", "1.14x speed"], rows[1])], columns,
-                                        scale=4))
+    labelled = np.asarray(
+        labelled_grid([(["plain"], rows[0]), (["tome 0.5", "1.14x speed"], rows[1])], columns, scale=4)
+    )
     left, top = labelled.shape[1] - bare.shape[1], labelled.shape[0] - bare.shape[0]
     assert left > 40 and top > 20  # room for the row labels and the two-line column headers
     assert np.array_equal(labelled[top:, left:], bare)  # the pictures themselves are untouched

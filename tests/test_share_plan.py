@@ -33,7 +33,9 @@ def test_one_plan_per_level(sd15):
     maker = "down_blocks.0.attentions.0.transformer_blocks.0.attn1"
     assert "shared" not in reasons[maker]
     assert "shared" not in reasons["mid_block.attentions.0.transformer_blocks.0.attn1"]  # its own level
-    assert reasons["up_blocks.1.attentions.1.transformer_blocks.0.attn1"].endswith(f"plan shared from {maker}")
+    assert reasons["up_blocks.1.attentions.1.transformer_blocks.0.attn1"].endswith(
+        f"plan shared from {maker}"
+    )
     gm.graph.lint()
     # negative: without share_plan, a plan per block
     exact = dynamo_graph(unet, inputs)
@@ -92,7 +94,7 @@ def test_single_block_level_equals_exact_tome():
         model = torch.compile(copy.deepcopy(unet), backend=backend, fullgraph=True)
         outs.append([call(model, inputs) for _ in range(2)])
         assert len(backend.reports[0].rewritten) == 1
-    for a, b in zip(*outs):
+    for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
 
 
@@ -117,8 +119,16 @@ def test_shared_plan_export_equals_the_compiled_backend(tmp_path, sd15):
 
     unet, inputs = sd15
     config = ToMeConfig(ratio=0.5, share_plan=True, seed=0)
-    result = export_onnx(copy.deepcopy(unet), tmp_path / "shared.onnx", config, height=128, width=128, seq_len=7,
-                         atol=1e-4, partition_input=True)
+    result = export_onnx(
+        copy.deepcopy(unet),
+        tmp_path / "shared.onnx",
+        config,
+        height=128,
+        width=128,
+        seq_len=7,
+        atol=1e-4,
+        partition_input=True,
+    )
     assert result.parity_max_abs is not None and result.parity_max_abs <= 1e-4
     (spec,) = [s for s in result.report.inputs if s.draw == "partition"]
     assert spec.cells == ((8, 8),)  # one draw for the level, not three
@@ -175,7 +185,9 @@ def test_plan_every_state_is_a_graph_output_fed_back_as_an_input(sd15):
     assert reuse.count_nodes("merge") == 4 and reuse.count_nodes("unmerge") == 4 and not reuse.outputs
 
     # share_plan + plan_every: the state holds one plan per level
-    shared = merge_self_attention(dynamo_graph(unet, inputs), config.replace(share_plan=True), plan_state="either")
+    shared = merge_self_attention(
+        dynamo_graph(unet, inputs), config.replace(share_plan=True), plan_state="either"
+    )
     assert len(plan_nodes(shared.graph_module, plan_or_reuse)) == 2
     assert shared.input_names == ["tome_partition", "tome_plan_slots", "tome_plan_weights", "tome_reuse_plan"]
     assert shared.outputs[0].shape == (2 * (256 + 64),)
@@ -193,8 +205,11 @@ def test_plan_every_recomputes_exactly_every_k_calls(sd15, method):
     counter = KindCounter()
     backend = tome_backend(0.5, compiler=counter, seed=1, plan_every=3, method=method)
     model = torch.compile(copy.deepcopy(unet), backend=backend, fullgraph=True)
-    exact = torch.compile(copy.deepcopy(unet), backend=tome_backend(0.5, compiler="eager", seed=1, method=method),
-                          fullgraph=True)
+    exact = torch.compile(
+        copy.deepcopy(unet),
+        backend=tome_backend(0.5, compiler="eager", seed=1, method=method),
+        fullgraph=True,
+    )
     rng = torch.get_rng_state()
     outs, refs = [], []
     for t in (999, 950, 900, 850, 800, 750, 700):
@@ -240,7 +255,9 @@ def test_a_reused_plan_is_the_plan_of_its_planning_call(sd15):
         moved.sample = inputs.sample.flip(-1)
         fresh = call(model, moved)  # plan_age reached 2: this call plans on the new latent
         assert state.plans_made == 2 and not torch.equal(state.plans[0], slots)
-    exact = torch.compile(copy.deepcopy(unet), backend=tome_backend(0.5, compiler="eager", seed=0), fullgraph=True)
+    exact = torch.compile(
+        copy.deepcopy(unet), backend=tome_backend(0.5, compiler="eager", seed=0), fullgraph=True
+    )
     with generation():
         call(exact, inputs)  # advance exact's sampler past its first draw (the second reused call drew none)
         assert torch.equal(fresh, call(exact, moved))
@@ -258,8 +275,16 @@ def test_plan_every_export_equals_the_compiled_backend_call_by_call(tmp_path, sd
 
     unet, inputs = sd15
     config = ToMeConfig(ratio=0.5, plan_every=2, seed=0, method=method)
-    result = export_onnx(copy.deepcopy(unet), tmp_path / "every.onnx", config, height=128, width=128, seq_len=7,
-                         atol=1e-4, partition_input=True)
+    result = export_onnx(
+        copy.deepcopy(unet),
+        tmp_path / "every.onnx",
+        config,
+        height=128,
+        width=128,
+        seq_len=7,
+        atol=1e-4,
+        partition_input=True,
+    )
     assert result.parity_max_abs is not None and result.parity_max_abs <= 1e-4  # both branches checked
     assert {"tome_plan_slots", "tome_plan_weights", "tome_reuse_plan"} <= set(result.optional_inputs)
     session = ToMeSession(result.path, seed=4)
@@ -284,7 +309,11 @@ def test_plan_every_export_runs_with_standard_inputs_only(tmp_path, sd15):
     result = export_onnx(copy.deepcopy(unet), tmp_path / "every.onnx", ToMeConfig(ratio=0.5, plan_every=3),
                          height=128, width=128, seq_len=7, atol=1e-4)
     session = ort.InferenceSession(str(result.path), providers=["CPUExecutionProvider"])
-    assert [o.name for o in session.get_outputs()] == ["out_sample", "tome_plan_slots_out", "tome_plan_weights_out"]
+    assert [o.name for o in session.get_outputs()] == [
+        "out_sample",
+        "tome_plan_slots_out",
+        "tome_plan_weights_out",
+    ]
     feed = {"sample": inputs.sample[:1].numpy(), "timestep": np.array([999.0], dtype=np.float32),
             "encoder_hidden_states": inputs.encoder_hidden_states[:1].numpy()}
     out, slots, weights = session.run(None, feed)  # a client that knows nothing of ToMe: plans every call
@@ -296,8 +325,16 @@ def test_plan_every_export_runs_with_standard_inputs_only(tmp_path, sd15):
     again = session.run(None, {**feed, "tome_plan_slots": slots, "tome_plan_weights": weights,
                                "tome_reuse_plan": np.array(True)})[0]
     assert np.array_equal(again, out)
-    other = session.run(None, {**feed, "tome_plan_slots": slots, "tome_plan_weights": weights,
-                               "tome_reuse_plan": np.array(True), "timestep": np.array([500.0], dtype=np.float32)})
+    other = session.run(
+        None,
+        {
+            **feed,
+            "tome_plan_slots": slots,
+            "tome_plan_weights": weights,
+            "tome_reuse_plan": np.array(True),
+            "timestep": np.array([500.0], dtype=np.float32),
+        },
+    )
     replanned = session.run(None, {**feed, "timestep": np.array([500.0], dtype=np.float32)})
     assert np.array_equal(other[1], slots)  # reusing returns the plans it was given ...
     assert not np.array_equal(replanned[1], slots)  # ... planning at another step makes new ones
@@ -310,8 +347,16 @@ def test_plan_every_export_optimizes_like_the_plain_tome_export(tmp_path, sd15):
     from tome_compile.export import export_onnx
 
     unet, _ = sd15
-    result = export_onnx(copy.deepcopy(unet), tmp_path / "every2.onnx", ToMeConfig(ratio=0.5, plan_every=2, seed=0),
-                         height=128, width=128, seq_len=7, atol=1e-4, optimize="cpu")
+    result = export_onnx(
+        copy.deepcopy(unet),
+        tmp_path / "every2.onnx",
+        ToMeConfig(ratio=0.5, plan_every=2, seed=0),
+        height=128,
+        width=128,
+        seq_len=7,
+        atol=1e-4,
+        optimize="cpu",
+    )
     assert result.fusions == {"LayerNormalization": 4, "MultiHeadAttention": 8, "SkipLayerNormalization": 8}
     assert result.parity_max_abs is not None and result.parity_max_abs <= 1e-4
 
@@ -326,8 +371,9 @@ def test_subgraph_shape_inference_copies_only_what_the_subgraph_reads():
     from tome_compile.export.ort_optimizer import _subgraph_inference_reads_what_it_uses
 
     def branch(name, node):
-        return helper.make_graph([node], name, [], [helper.make_tensor_value_info("y_" + name, TensorProto.FLOAT,
-                                                                                  None)])
+        return helper.make_graph(
+            [node], name, [], [helper.make_tensor_value_info("y_" + name, TensorProto.FLOAT, None)]
+        )
     then = branch("then", helper.make_node("Add", ["x", "c"], ["y_then"]))
     other = branch("else", helper.make_node("Identity", ["x"], ["y_else"]))
     graph = helper.make_graph(

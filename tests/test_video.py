@@ -144,9 +144,17 @@ def test_animatediff_pipeline_end_to_end_without_recompiles():
     pipe.unet = torch.compile(pipe.unet, backend=backend, fullgraph=True)
     g = torch.Generator().manual_seed(0)
     counters.clear()
-    frames = pipe(prompt_embeds=torch.randn(1, 7, 32, generator=g), negative_prompt_embeds=torch.zeros(1, 7, 32),
-                  num_frames=3, num_inference_steps=4, guidance_scale=7.5, height=16, width=16,
-                  output_type="latent", generator=g).frames
+    frames = pipe(
+        prompt_embeds=torch.randn(1, 7, 32, generator=g),
+        negative_prompt_embeds=torch.zeros(1, 7, 32),
+        num_frames=3,
+        num_inference_steps=4,
+        guidance_scale=7.5,
+        height=16,
+        width=16,
+        output_type="latent",
+        generator=g,
+    ).frames
     assert frames.shape == (1, 4, 3, 16, 16) and torch.isfinite(frames).all()
     assert counters["stats"]["unique_graphs"] == 1 and sum(counters["graph_break"].values()) == 0
     assert [r.method for r in backend.reports] == ["tome", "importance"] and backend.importance.calls == 4
@@ -164,8 +172,17 @@ def test_onnx_runtime_equals_the_compiled_backend_call_by_call(tmp_path, kind, m
     unet = tiny_video_unet(kind)
     config = ToMeConfig(ratio=0.5, method=method, seed=0)
     # partition_input: the destinations drawn as tome_backend(seed=) draws them (bit-exact)
-    result = export_onnx(copy.deepcopy(unet), tmp_path / "video.onnx", config, height=128, width=128, seq_len=7,
-                         frames=3, atol=1e-4, partition_input=True)
+    result = export_onnx(
+        copy.deepcopy(unet),
+        tmp_path / "video.onnx",
+        config,
+        height=128,
+        width=128,
+        seq_len=7,
+        frames=3,
+        atol=1e-4,
+        partition_input=True,
+    )
     assert [s.path for s in result.report.rewritten] == SPATIAL
     assert result.fused_attention == sum(1 for s in result.report.sites)  # temporal attention fused too
     meta = ToMeSession(result.path).meta

@@ -61,8 +61,9 @@ def test_the_read_pass_is_merged_and_the_write_pass_left_alone(zero123):
 @pytest.mark.parametrize("use_rand", [False, True])
 def test_equals_tomesd_on_the_view_tokens_of_the_read_pass(zero123, use_rand):
     wrapper, inputs = zero123
-    model = torch.compile(copy.deepcopy(wrapper), backend=tome_backend(0.5, compiler="eager", use_rand=use_rand,
-                                                                        seed=3))
+    model = torch.compile(
+        copy.deepcopy(wrapper), backend=tome_backend(0.5, compiler="eager", use_rand=use_rand, seed=3)
+    )
     reference = tomesd_reference(wrapper, ratio=0.5, use_rand=use_rand)
     if use_rand:
         reference.unet._tome_info["args"]["generator"] = torch.Generator().manual_seed(3)
@@ -150,16 +151,33 @@ def zero123_export(zero123, tmp_path_factory):
     zero123[0].unet.save_pretrained(folder / "unet")
     zero123[0].val_sched.save_pretrained(folder / "scheduler")
     out = folder / "z123.onnx"
-    assert main([str(out), "--model", str(folder), "--multiview", "--height", "96", "--width", "64", "--seq-len", "7",
-                 "--partition-input", "--no-cuda-check"]) == 0
+    assert (
+        main(
+            [
+                str(out),
+                "--model",
+                str(folder),
+                "--multiview",
+                "--height",
+                "96",
+                "--width",
+                "64",
+                "--seq-len",
+                "7",
+                "--partition-input",
+                "--no-cuda-check",
+            ]
+        )
+        == 0
+    )
     return out
 
 
 def test_export_structure_and_session_equals_the_compiled_wrapper(zero123, zero123_export):
     import onnx
-
     from tome_compile.export import ToMeSession
     from tome_compile.export.attention import CONTRIB_DOMAIN
+
     from tome_compile.multiview import MultiViewExport
 
     session = ToMeSession(zero123_export, seed=3)
@@ -172,7 +190,9 @@ def test_export_structure_and_session_equals_the_compiled_wrapper(zero123, zero1
                for line in rewritten)
     model = onnx.load(str(zero123_export), load_external_data=False)
     # 8 attentions per pass, less the write pass's last block (attn1's output and attn2: nothing reads them)
-    assert sum(n.op_type == "MultiHeadAttention" and n.domain == CONTRIB_DOMAIN for n in model.graph.node) == 14
+    assert (
+        sum(n.op_type == "MultiHeadAttention" and n.domain == CONTRIB_DOMAIN for n in model.graph.node) == 14
+    )
 
     wrapper, (sample, kwargs) = zero123
     compiled = torch.compile(MultiViewExport(copy.deepcopy(wrapper)),
@@ -189,14 +209,20 @@ def test_export_structure_and_session_equals_the_compiled_wrapper(zero123, zero1
             assert (ours - expected).abs().max() < 1e-4
             assert (ours - plain(sample, torch.tensor([float(t)]), ehs, cond, noise)[0]).abs().max() > 1e-3
     # NumPy in (diffusers' ONNX pipelines), one image, noise given by the caller
-    one = session(sample[:1].numpy(), np.array([999.0], dtype=np.float32), ehs[:1].numpy(), cond_lat=cond[:1].numpy(),
-                  noise=np.zeros((1, 4, 4, 4), dtype=np.float32))
+    one = session(
+        sample[:1].numpy(),
+        np.array([999.0], dtype=np.float32),
+        ehs[:1].numpy(),
+        cond_lat=cond[:1].numpy(),
+        noise=np.zeros((1, 4, 4, 4), dtype=np.float32),
+    )
     assert one[0].shape == (1, 4, 12, 8) and np.isfinite(one[0]).all()
 
 
 def test_session_refuses_a_multiview_call_without_its_condition(zero123, zero123_export):
-    from tome_compile.errors import ToMeExportError
     from tome_compile.export import ToMeSession
+
+    from tome_compile.errors import ToMeExportError
 
     session = ToMeSession(zero123_export, seed=0)
     sample, kwargs = zero123[1]

@@ -18,9 +18,16 @@ from tome_compile.multiview import RefOnlyNoisedUNet, build_zero123
 # SD 2-style (linear projections, a head dim per block); the views are 4 x 4 latents: the sample
 # is 3 rows x 2 columns of views = 12 x 8, the condition latent one view, 4 x 4.
 TINY_ZERO123: dict[str, Any] = dict(
-    sample_size=8, in_channels=4, out_channels=4, block_out_channels=(32, 64),
-    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-    layers_per_block=1, cross_attention_dim=24, attention_head_dim=(2, 4), norm_num_groups=8,
+    sample_size=8,
+    in_channels=4,
+    out_channels=4,
+    block_out_channels=(32, 64),
+    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    layers_per_block=1,
+    cross_attention_dim=24,
+    attention_head_dim=(2, 4),
+    norm_num_groups=8,
     use_linear_projection=True,
 )
 
@@ -46,8 +53,16 @@ def tiny_zero123_inputs(batch: int = 2, seed: int = 0) -> tuple[torch.Tensor, di
 class _TomesdReadOnly(RefOnlyNoisedUNet):
     """The wrapper with tomesd patched into its U-Net, merging in the read pass only."""
 
-    def forward(self, sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                class_labels: torch.Tensor | None = None, *, cross_attention_kwargs: dict, **kwargs: Any) -> Any:
+    def forward(
+        self,
+        sample: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        class_labels: torch.Tensor | None = None,
+        *,
+        cross_attention_kwargs: dict,
+        **kwargs: Any,
+    ) -> Any:
         args = self.unet._tome_info["args"]
         ratio, calls = args["ratio"], []
         original = self.unet.forward
@@ -76,5 +91,9 @@ def tomesd_reference(wrapper: RefOnlyNoisedUNet, **options: Any) -> RefOnlyNoise
     tomesd.apply_patch(unet, **options)
     ref = _TomesdReadOnly.__new__(_TomesdReadOnly)
     torch.nn.Module.__init__(ref)
-    ref.unet, ref.train_sched, ref.val_sched = unet, copy.deepcopy(wrapper.train_sched), copy.deepcopy(wrapper.val_sched)
+    ref.unet, ref.train_sched, ref.val_sched = (
+        unet,
+        copy.deepcopy(wrapper.train_sched),
+        copy.deepcopy(wrapper.val_sched),
+    )
     return ref.eval()

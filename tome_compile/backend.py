@@ -170,8 +170,14 @@ class ToMeBackend:
             return _Specializing(self, gm, example_inputs, compile_fn, io)
         return self._compile_static(gm, example_inputs, compile_fn, io)
 
-    def _rewrite_and_compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], compile_fn: CompilerFn,
-                             method: str, plan_state: str | None = None) -> tuple[ToMeResult, Callable[..., Any]]:
+    def _rewrite_and_compile(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        compile_fn: CompilerFn,
+        method: str,
+        plan_state: str | None = None,
+    ) -> tuple[ToMeResult, Callable[..., Any]]:
         # Rewrite a copy: Dynamo keeps using its own graph afterwards.
         rewritten = fx.GraphModule(gm, copy.deepcopy(gm.graph))
         result = merge_self_attention(rewritten, self.config, oracle=self.oracle, method=method,
@@ -260,8 +266,13 @@ class _Runner:
         return args[self._param_index] if self._param_index is not None else None
 
     def __call__(self, *args: Any) -> Any:
-        call = self.driver.begin(self._model_key(args), args[self.io.sample_index].shape, self.io.timestep(args),
-                                 layout=self.layout, keeps_plans="reuse" in self.graphs)
+        call = self.driver.begin(
+            self._model_key(args),
+            args[self.io.sample_index].shape,
+            self.io.timestep(args),
+            layout=self.layout,
+            keeps_plans="reuse" in self.graphs,
+        )
         fn, result = self.graphs[call.graph]
         out = fn(*args, *self.driver.inputs(call, result.inputs, self.device))
         plans = None
@@ -281,7 +292,7 @@ def _baked_scalar_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> d
     ``{position: nodes to replace by the value}``."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     baked: dict[int, list[fx.Node]] = {}
-    for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
+    for i, (node, value) in enumerate(zip(placeholders, example_inputs, strict=True)):
         if isinstance(value, (torch.SymInt, torch.SymFloat, int, float)) and not isinstance(value, bool):
             baked[i] = [node]
         elif isinstance(value, torch.Tensor) and value.dim() == 0:

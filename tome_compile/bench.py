@@ -45,8 +45,18 @@ from tome_compile.models import example_inputs, is_dit, load_unet, video_layout
 
 __all__ = ["main", "run_benchmark"]
 
-VARIANTS = ("eager", "tomesd", "inductor", "inductor+tome", "inductor+tome-shared", "inductor+tome-shared-every2",
-            "inductor+tome-shared-every3", "inductor+tome-every2", "inductor+tome-every3", "oracle")
+VARIANTS = (
+    "eager",
+    "tomesd",
+    "inductor",
+    "inductor+tome",
+    "inductor+tome-shared",
+    "inductor+tome-shared-every2",
+    "inductor+tome-shared-every3",
+    "inductor+tome-every2",
+    "inductor+tome-every3",
+    "oracle",
+)
 
 
 def variant_options(name: str) -> dict[str, Any]:
@@ -163,7 +173,9 @@ def run_size(unet: torch.nn.Module, size: int, args: argparse.Namespace, config:
 
         sample, kwargs = zero123_inputs(unet, batch=args.batch, view=size, device=device)
     else:
-        inputs = example_inputs(unet, batch=args.batch, height=size, width=size, device=device, frames=args.frames)
+        inputs = example_inputs(
+            unet, batch=args.batch, height=size, width=size, device=device, frames=args.frames
+        )
         kwargs = inputs.kwargs()
         sample = kwargs.pop("hidden_states" if inputs.dit else "sample")
     torch._dynamo.reset()
@@ -182,7 +194,9 @@ def run_size(unet: torch.nn.Module, size: int, args: argparse.Namespace, config:
             for _ in range(backends[name].config.plan_every - 1 if name in backends else 0):
                 model(sample, **kwargs)  # warm the reusing graph too
             if name in backends and not any(r.modified for r in backends[name].reports):
-                raise ToMeError(f"{name}: the ToMe backend rewrote no graph; timing it would time the plain model")
+                raise ToMeError(
+                    f"{name}: the ToMe backend rewrote no graph; timing it would time the plain model"
+                )
             progress.update(1)
         for round_ in range(args.repeats):
             for name, model in models.items():
@@ -278,7 +292,9 @@ def format_tables(result: dict[str, Any]) -> str:
         lines.append(f"\n{result['model']} {shape}{frames}, batch {result['batch']}, "
                      f"{result['dtype']}, ratio {result['ratio']}, {result['device']}, "
                      f"median of {result['repeats']}")
-        lines.append("| variant | median s | vs inductor | vs eager | peak mem / call | first call s | sites |")
+        lines.append(
+            "| variant | median s | vs inductor | vs eager | peak mem / call | first call s | sites |"
+        )
         lines.append("|---|---:|---:|---:|---:|---:|---:|")
         for name, row in v.items():
             vs_ind = f"{base['median_s'] / row['median_s']:.2f}x" if base else "-"
@@ -302,10 +318,12 @@ def format_tables(result: dict[str, Any]) -> str:
         lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for blk in result["blocks"]:
             m = blk["median_s"]
-            lines.append(f"| {blk['tokens']} | {blk['r']} | {m['attention N']:.4f} | {m['attention N-r']:.4f} | "
-                         f"{blk['saving_s']:.4f} | {m['plan+merge+unmerge']:.4f} | "
-                         f"{blk['overhead_share_of_saving']:.0%} | "
-                         f"{m.get('importance plan+merge+unmerge', float('nan')):.4f} |")
+            lines.append(
+                f"| {blk['tokens']} | {blk['r']} | {m['attention N']:.4f} | {m['attention N-r']:.4f} | "
+                f"{blk['saving_s']:.4f} | {m['plan+merge+unmerge']:.4f} | "
+                f"{blk['overhead_share_of_saving']:.0%} | "
+                f"{m.get('importance plan+merge+unmerge', float('nan')):.4f} |"
+            )
     return "\n".join(lines)
 
 
@@ -329,9 +347,19 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     print(f"model: {description}", flush=True)
     total = len(args.sizes) * len(args.variants) * (args.repeats + 1)
     result: dict[str, Any] = {
-        "model": args.model, "batch": args.batch, "dtype": args.dtype, "ratio": args.ratio,
-        "device": args.device, "repeats": args.repeats, "frames": args.frames, "config": asdict(config), "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "machine": platform.machine(), "sizes": [], "blocks": [],
+        "model": args.model,
+        "batch": args.batch,
+        "dtype": args.dtype,
+        "ratio": args.ratio,
+        "device": args.device,
+        "repeats": args.repeats,
+        "frames": args.frames,
+        "config": asdict(config),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "sizes": [],
+        "blocks": [],
     }
     with tqdm(total=total, desc="bench", unit="call", file=sys.stderr) as progress:
         for size in args.sizes:
@@ -343,9 +371,14 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _config(args: argparse.Namespace) -> ToMeConfig:
-    return ToMeConfig(ratio=args.ratio, max_downsample=args.max_downsample, seed=0, pool_factor=args.pool_factor,
-                      merge_crossattn=args.merge_crossattn,
-                      blocks=parse_blocks(args.merge_blocks) if args.merge_blocks else None)
+    return ToMeConfig(
+        ratio=args.ratio,
+        max_downsample=args.max_downsample,
+        seed=0,
+        pool_factor=args.pool_factor,
+        merge_crossattn=args.merge_crossattn,
+        blocks=parse_blocks(args.merge_blocks) if args.merge_blocks else None,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,9 +388,12 @@ def main(argv: list[str] | None = None) -> int:
         epilog="examples:\n  python -m tome_compile.bench\n"
                "  python -m tome_compile.bench --sizes 512 --variants inductor inductor+tome oracle\n"
                "  python -m tome_compile.bench --model ./my-sd15-pipeline --device cuda --dtype fp16")
-    parser.add_argument("--model", default="sd15",
-                        help="sd15 | sd21 | sdxl | animatediff | svd | pixart | zero123 (the Zero123++ wrapper "
-                             "around sd21: --sizes is one view's size, 320: 960 x 640 tiled) | a local diffusers folder")
+    parser.add_argument(
+        "--model",
+        default="sd15",
+        help="sd15 | sd21 | sdxl | animatediff | svd | pixart | zero123 (the Zero123++ wrapper "
+        "around sd21: --sizes is one view's size, 320: 960 x 640 tiled) | a local diffusers folder",
+    )
     parser.add_argument("--frames", type=int, default=None, help="video U-Nets: frames per video (16 / 25)")
     parser.add_argument("--merge-blocks", default=None, metavar="LIST",
                         help="ToMeConfig.blocks, e.g. 7-20 (PixArt)")
@@ -368,9 +404,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--max-downsample", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")
-    parser.add_argument("--variants", nargs="+", default=["eager", "tomesd", "inductor", "inductor+tome", "oracle"],
-                        choices=VARIANTS, help="default: eager tomesd inductor inductor+tome oracle; the plan "
-                        "reuse variants (inductor+tome-shared[-everyK], -everyK) are opt in")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["eager", "tomesd", "inductor", "inductor+tome", "oracle"],
+        choices=VARIANTS,
+        help="default: eager tomesd inductor inductor+tome oracle; the plan "
+        "reuse variants (inductor+tome-shared[-everyK], -everyK) are opt in",
+    )
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default="bench.json", help="where to write the raw results")

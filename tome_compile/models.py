@@ -19,8 +19,19 @@ import torch
 
 from tome_compile.errors import ToMeModelError
 
-__all__ = ["ARCHITECTURES", "MODEL_CLASSES", "UNetInputs", "architecture_class", "architecture_config", "build_unet", "example_inputs",
-           "is_dit", "load_unet", "unet_input_names", "video_layout"]
+__all__ = [
+    "ARCHITECTURES",
+    "MODEL_CLASSES",
+    "UNetInputs",
+    "architecture_class",
+    "architecture_config",
+    "build_unet",
+    "example_inputs",
+    "is_dit",
+    "load_unet",
+    "unet_input_names",
+    "video_layout",
+]
 
 logger = logging.getLogger("tome_compile")
 
@@ -92,13 +103,17 @@ def load_unet(spec: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[
         raise ToMeModelError(f"model {str(spec)!r} not found: give a diffusers U-Net folder, a pipeline "
                              f"folder, or one of {ARCHITECTURES}")
     # a pipeline folder: its U-Net (unet/) or its DiT (transformer/, PixArt)
-    folder = next((path / sub for sub in ("unet", "transformer") if (path / sub / "config.json").is_file()), path)
+    folder = next(
+        (path / sub for sub in ("unet", "transformer") if (path / sub / "config.json").is_file()), path
+    )
     if not (folder / "config.json").is_file():
         raise ToMeModelError(f"{str(path)!r} has no config.json (nor unet/config.json); it is not a "
                              "diffusers U-Net or pipeline folder")
     cls = _model_class(_check_unet_config(folder))
     try:
-        unet, info = cls.from_pretrained(folder, local_files_only=True, torch_dtype=dtype, output_loading_info=True)
+        unet, info = cls.from_pretrained(
+            folder, local_files_only=True, torch_dtype=dtype, output_loading_info=True
+        )
     except Exception as e:
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise ToMeModelError(f"could not load a U-Net from {str(folder)!r}: {first}") from e
@@ -122,12 +137,16 @@ def _check_unet_config(folder: Path) -> str:
         raise ToMeModelError(f"{str(folder / 'config.json')!r} is not a JSON object")
     kind = config.get("_class_name")
     if kind is None and "down_block_types" not in config:
-        raise ToMeModelError(f"{str(folder / 'config.json')!r} is not a diffusers U-Net config (no _class_name, "
-                             "no down_block_types); give a UNet2DConditionModel folder or a pipeline folder")
+        raise ToMeModelError(
+            f"{str(folder / 'config.json')!r} is not a diffusers U-Net config (no _class_name, "
+            "no down_block_types); give a UNet2DConditionModel folder or a pipeline folder"
+        )
     if kind is not None and kind not in MODEL_CLASSES:
-        raise ToMeModelError(f"{str(folder)!r} holds a {kind}, not a UNet2DConditionModel (nor another denoiser "
-                             f"tome-compile knows: {', '.join(MODEL_CLASSES[1:])}); give the U-Net folder "
-                             "(PIPELINE/unet) or the pipeline folder")
+        raise ToMeModelError(
+            f"{str(folder)!r} holds a {kind}, not a UNet2DConditionModel (nor another denoiser "
+            f"tome-compile knows: {', '.join(MODEL_CLASSES[1:])}); give the U-Net folder "
+            "(PIPELINE/unet) or the pipeline folder"
+        )
     return str(kind or "UNet2DConditionModel")
 
 
@@ -158,8 +177,11 @@ class UNetInputs:
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for the model's ``forward`` (in ``args`` order: torch.export keeps it)."""
-        out: dict[str, Any] = {"hidden_states" if self.dit else "sample": self.sample, "timestep": self.timestep,
-                               "encoder_hidden_states": self.encoder_hidden_states}
+        out: dict[str, Any] = {
+            "hidden_states" if self.dit else "sample": self.sample,
+            "timestep": self.timestep,
+            "encoder_hidden_states": self.encoder_hidden_states,
+        }
         if self.text_embeds is not None:
             out["added_cond_kwargs"] = {"text_embeds": self.text_embeds, "time_ids": self.time_ids}
         if self.added_time_ids is not None:
@@ -208,10 +230,20 @@ def example_inputs(unet: torch.nn.Module, *, batch: int = 2, height: int = 512, 
     3 x 2 tiled views, the condition view's latent and its noise)."""
     if getattr(unet, "extra_inputs", None) == ("cond_lat", "noise"):
         if height % 24 or width % 16:
-            raise ToMeModelError(f"height={height}, width={width}: a multi-view picture is 3 x 2 views of a "
-                                 "multiple of 8 pixels each (height a multiple of 24, width of 16; Zero123++: 960 x 640)")
-        inputs = example_inputs(unet.unet, batch=batch, height=height, width=width, seq_len=seq_len, seed=seed,
-                                device=device, dtype=dtype)
+            raise ToMeModelError(
+                f"height={height}, width={width}: a multi-view picture is 3 x 2 views of a "
+                "multiple of 8 pixels each (height a multiple of 24, width of 16; Zero123++: 960 x 640)"
+            )
+        inputs = example_inputs(
+            unet.unet,
+            batch=batch,
+            height=height,
+            width=width,
+            seq_len=seq_len,
+            seed=seed,
+            device=device,
+            dtype=dtype,
+        )
         g = torch.Generator().manual_seed(seed + 1)
         shape = (batch, unet.config.in_channels, height // 24, width // 16)
         inputs.cond_lat, inputs.noise = (torch.randn(shape, generator=g).to(device, inputs.sample.dtype)
@@ -231,12 +263,17 @@ def example_inputs(unet: torch.nn.Module, *, batch: int = 2, height: int = 512, 
     if is_dit(unet):  # as PixArtAlphaPipeline calls it: one timestep per image, T5 embeddings + mask
         ehs = torch.randn(batch, seq_len, cfg.caption_channels, generator=g)
         extra = getattr(unet, "use_additional_conditions", False)
-        return UNetInputs(sample.to(device, dtype), torch.full((batch,), 999.0, device=device), ehs.to(device, dtype),
-                          dit=True, encoder_attention_mask=torch.ones(batch, seq_len, device=device, dtype=dtype),
-                          resolution=torch.tensor([[height, width]] * batch, device=device, dtype=dtype) if extra
-                          else None,
-                          aspect_ratio=torch.tensor([[height / width]] * batch, device=device, dtype=dtype) if extra
-                          else None)
+        return UNetInputs(
+            sample.to(device, dtype),
+            torch.full((batch,), 999.0, device=device),
+            ehs.to(device, dtype),
+            dit=True,
+            encoder_attention_mask=torch.ones(batch, seq_len, device=device, dtype=dtype),
+            resolution=torch.tensor([[height, width]] * batch, device=device, dtype=dtype) if extra else None,
+            aspect_ratio=torch.tensor([[height / width]] * batch, device=device, dtype=dtype)
+            if extra
+            else None,
+        )
     ehs = torch.randn(batch, seq_len, cfg.cross_attention_dim, generator=g)
     inputs = UNetInputs(sample.to(device, dtype), torch.tensor(999, device=device),
                         ehs.to(device, dtype))
@@ -262,7 +299,9 @@ def _video_inputs(unet: torch.nn.Module, layout: str, batch: int, frames: int, h
         raise ToMeModelError(f"frames={frames} must be >= 1")
     if layout == "BCFHW":
         sample = torch.randn(batch, cfg.in_channels, frames, h, w, generator=g)
-        ehs = torch.randn(batch, seq_len, cfg.cross_attention_dim, generator=g).repeat_interleave(frames, dim=0)
+        ehs = torch.randn(batch, seq_len, cfg.cross_attention_dim, generator=g).repeat_interleave(
+            frames, dim=0
+        )
         return UNetInputs(sample.to(device, dtype), torch.tensor(999, device=device), ehs.to(device, dtype))
     sample = torch.randn(batch, frames, cfg.in_channels, h, w, generator=g)
     ehs = torch.randn(batch, 1, cfg.cross_attention_dim, generator=g)

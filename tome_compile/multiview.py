@@ -32,9 +32,17 @@ class ReferenceOnlyAttnProc:
     def __init__(self, chained: Any, enabled: bool, name: str) -> None:
         self.chained, self.enabled, self.name = chained, enabled, name
 
-    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None, mode: str = "w", ref_dict: dict | None = None,
-                 is_cfg_guidance: bool = False, **kwargs: Any) -> torch.Tensor:
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        mode: str = "w",
+        ref_dict: dict | None = None,
+        is_cfg_guidance: bool = False,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         if encoder_hidden_states is None:
             encoder_hidden_states = hidden_states
         if self.enabled and is_cfg_guidance:
@@ -57,32 +65,57 @@ class RefOnlyNoisedUNet(torch.nn.Module):
     def __init__(self, unet: torch.nn.Module, train_sched: Any, val_sched: Any) -> None:
         super().__init__()
         self.unet, self.train_sched, self.val_sched = unet, train_sched, val_sched
-        unet.set_attn_processor({name: ReferenceOnlyAttnProc(AttnProcessor2_0(), name.endswith("attn1.processor"), name)
-                                 for name in unet.attn_processors})
+        unet.set_attn_processor(
+            {
+                name: ReferenceOnlyAttnProc(AttnProcessor2_0(), name.endswith("attn1.processor"), name)
+                for name in unet.attn_processors
+            }
+        )
 
-    def forward(self, sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                class_labels: torch.Tensor | None = None, *, cross_attention_kwargs: dict, **kwargs: Any) -> Any:
+    def forward(
+        self,
+        sample: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        class_labels: torch.Tensor | None = None,
+        *,
+        cross_attention_kwargs: dict,
+        **kwargs: Any,
+    ) -> Any:
         cond_lat = cross_attention_kwargs["cond_lat"]
         is_cfg_guidance = cross_attention_kwargs.get("is_cfg_guidance", False)
         noise = torch.randn_like(cond_lat)
         noisy = self.train_sched.add_noise(cond_lat, noise, timestep.reshape(-1))
         noisy = self.val_sched.scale_model_input(noisy, timestep.reshape(-1))
-        return two_passes(self.unet, noisy, sample, timestep, encoder_hidden_states, class_labels, is_cfg_guidance,
-                          **kwargs)
+        return two_passes(
+            self.unet, noisy, sample, timestep, encoder_hidden_states, class_labels, is_cfg_guidance, **kwargs
+        )
 
 
-def two_passes(unet: torch.nn.Module, noisy_cond_lat: torch.Tensor, sample: torch.Tensor, timestep: torch.Tensor,
-               encoder_hidden_states: torch.Tensor, class_labels: torch.Tensor | None = None,
-               is_cfg_guidance: bool = False, **kwargs: Any) -> Any:
+def two_passes(
+    unet: torch.nn.Module,
+    noisy_cond_lat: torch.Tensor,
+    sample: torch.Tensor,
+    timestep: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    class_labels: torch.Tensor | None = None,
+    is_cfg_guidance: bool = False,
+    **kwargs: Any,
+) -> Any:
     """The wrapper's two U-Net passes: "w" over the noised condition latent (every ``attn1``
     stores its input), then "r" over the sample (keys and values read the stored reference)."""
     ref_dict: dict[str, torch.Tensor] = {}
     cond_states = encoder_hidden_states[1:] if is_cfg_guidance else encoder_hidden_states
     unet(noisy_cond_lat, timestep, encoder_hidden_states=cond_states, class_labels=class_labels,
          cross_attention_kwargs={"mode": "w", "ref_dict": ref_dict}, **kwargs)
-    return unet(sample, timestep, encoder_hidden_states, class_labels=class_labels,
-                cross_attention_kwargs={"mode": "r", "ref_dict": ref_dict, "is_cfg_guidance": is_cfg_guidance},
-                **kwargs)
+    return unet(
+        sample,
+        timestep,
+        encoder_hidden_states,
+        class_labels=class_labels,
+        cross_attention_kwargs={"mode": "r", "ref_dict": ref_dict, "is_cfg_guidance": is_cfg_guidance},
+        **kwargs,
+    )
 
 
 class MultiViewExport(torch.nn.Module):
@@ -121,10 +154,12 @@ class MultiViewExport(torch.nn.Module):
             theirs = val.sigmas[:-1].to(torch.float64)
             if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-6):
                 worst = float((ours - theirs).abs().max())
-                raise ToMeModelError(f"{type(val).__name__}'s sigmas are not its training sigmas interpolated at "
-                                     f"its timesteps (max difference {worst:.3g}): the exportable form computes "
-                                     "scale_model_input in that closed form; use the pipeline's default "
-                                     "scheduler (Euler ancestral)")
+                raise ToMeModelError(
+                    f"{type(val).__name__}'s sigmas are not its training sigmas interpolated at "
+                    f"its timesteps (max difference {worst:.3g}): the exportable form computes "
+                    "scale_model_input in that closed form; use the pipeline's default "
+                    "scheduler (Euler ancestral)"
+                )
 
     @property
     def config(self) -> Any:
@@ -143,7 +178,9 @@ class MultiViewExport(torch.nn.Module):
         low = low.long()
         return self.sigmas[low] * (1 - frac) + self.sigmas[low + 1] * frac
 
-    def noised_condition(self, cond_lat: torch.Tensor, noise: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+    def noised_condition(
+        self, cond_lat: torch.Tensor, noise: torch.Tensor, timestep: torch.Tensor
+    ) -> torch.Tensor:
         """``val_sched.scale_model_input(train_sched.add_noise(cond_lat, noise, t), t)``, closed form."""
         t = timestep.reshape(-1).to(torch.float32)
         index = t.round().long().clamp(0, len(self.sqrt_ac) - 1)
@@ -197,8 +234,15 @@ def load_multiview(spec: str, *, dtype: torch.dtype = torch.float32) -> tuple[Mu
     return MultiViewExport(build_zero123(unet, scheduler=scheduler)), description
 
 
-def zero123_inputs(wrapper: RefOnlyNoisedUNet, *, batch: int = 2, view: int = 320, seq_len: int = 77, seed: int = 0,
-                   device: str | torch.device = "cpu") -> tuple[torch.Tensor, dict[str, Any]]:
+def zero123_inputs(
+    wrapper: RefOnlyNoisedUNet,
+    *,
+    batch: int = 2,
+    view: int = 320,
+    seq_len: int = 77,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """``(sample, kwargs)`` as the pipeline calls the wrapper: the 3 x 2 tiled views' latent
     ``[B, 4, 3 * view / 8, 2 * view / 8]`` (960 x 640 pictures: 120 x 80), the embeddings and the
     condition latent of one view (its CFG row: a blank image's)."""

@@ -65,7 +65,9 @@ def _call_guidance(pipe: Any, layout: str) -> str | None:
 class _GenerationBar:
     """The pipeline's progress bar, entered and left with a ``generation()`` around it."""
 
-    def __init__(self, bar: Any, open_generation: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+    def __init__(
+        self, bar: Any, open_generation: Callable[[], contextlib.AbstractContextManager[Any]]
+    ) -> None:
         self._bar = bar
         self._open = open_generation
         self._stack: contextlib.ExitStack | None = None
@@ -145,8 +147,10 @@ def apply(pipe: Any, ratio: float | ToMeConfig | None = None, *, onnx: str | Pat
     name = _denoiser_name(pipe)
     model = getattr(pipe, name)
     if getattr(pipe, "tome", None) is not None:
-        raise ToMeConfigError(f"{type(pipe).__name__} already has ToMe applied (pipe.tome); apply it once, to "
-                              "the plain pipeline")
+        raise ToMeConfigError(
+            f"{type(pipe).__name__} already has ToMe applied (pipe.tome); apply it once, to "
+            "the plain pipeline"
+        )
     layout = options.pop("guidance", None) or guidance_layout(pipe)
     handle = _tome_of(model)
     if handle is not None:
@@ -158,12 +162,16 @@ def apply(pipe: Any, ratio: float | ToMeConfig | None = None, *, onnx: str | Pat
 
         onnx = onnx if onnx is not None else _onnx_path(model)
         if onnx is None:
-            raise ToMeModelError(f"pipe.{name} is a {type(model).__name__}: give the tome-export file (onnx=)")
+            raise ToMeModelError(
+                f"pipe.{name} is a {type(model).__name__}: give the tome-export file (onnx=)"
+            )
         seed = options.get("seed", ratio.seed if isinstance(ratio, ToMeConfig) else None)
         handle = ToMeSession(onnx, seed=seed, providers=providers)
         if not handle.meta:
-            raise ToMeModelError(f"{str(onnx)!r} is not a tome-export file (no tome_compile metadata); export "
-                                 "the U-Net with tome-export (--into for an ONNX pipeline folder)")
+            raise ToMeModelError(
+                f"{str(onnx)!r} is not a tome-export file (no tome_compile metadata); export "
+                "the U-Net with tome-export (--into for an ONNX pipeline folder)"
+            )
         setattr(pipe, name, handle)
     else:
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):

@@ -112,7 +112,9 @@ def check_seed(seed: Any, what: str) -> None:
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ToMeConfigError(f"{what}={seed!r} must be an int or None")
     if not 0 <= seed < 2 ** 63:
-        raise ToMeConfigError(f"{what}={seed} is outside [0, 2**63 - 1]; use a smaller seed (e.g. seed % 2**63)")
+        raise ToMeConfigError(
+            f"{what}={seed} is outside [0, 2**63 - 1]; use a smaller seed (e.g. seed % 2**63)"
+        )
 
 
 def timestep_value(timestep: object) -> float | None:
@@ -290,7 +292,9 @@ class CallDriver:
         return Call(state=state, kind=kind, layout=layout, map=state.map if kind == "importance" else None,
                     plans=plans, random=random)
 
-    def _starts_generation(self, state: CallState, owner: Any, shape: tuple[int, ...], t: float | None) -> bool:
+    def _starts_generation(
+        self, state: CallState, owner: Any, shape: tuple[int, ...], t: float | None
+    ) -> bool:
         """The bare-call rule (module doc); never inside an explicit ``generation()``."""
         if owner.explicit:
             return False
@@ -318,7 +322,9 @@ class CallDriver:
         state.first, state.timestep, state.repeats, state.generation_calls = None, None, 0, 0
         state.generations += 1
 
-    def inputs(self, call: Call, specs: Sequence[ToMeInputSpec], device: torch.device | str) -> list[torch.Tensor]:
+    def inputs(
+        self, call: Call, specs: Sequence[ToMeInputSpec], device: torch.device | str
+    ) -> list[torch.Tensor]:
         """Values of ``specs`` for this call, drawn from the caller's generator in tomesd's order."""
         return draw_tome_inputs(specs, call.state.sampler, call.map, device, call.plans, random=call.random)
 

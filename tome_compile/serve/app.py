@@ -37,7 +37,9 @@ api = FastAPI(title="tome-serve", description="Text-to-image with token merging 
 
 
 def _error(status: int, message: str, retry: bool = False) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status, headers={"Retry-After": "1"} if retry else None)
+    return JSONResponse(
+        {"error": message}, status_code=status, headers={"Retry-After": "1"} if retry else None
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +139,9 @@ class Frontend:
             if isinstance(e, BackPressureError):
                 return _error(503, "overloaded: the queue is full; retry later", retry=True)
             logger.warning("generate failed: %s: %s", type(e).__name__, e)
-            return _error(503, f"the request failed in a model replica ({type(e).__name__}); retry", retry=True)
+            return _error(
+                503, f"the request failed in a model replica ({type(e).__name__}); retry", retry=True
+            )
         total = (time.perf_counter() - received) * 1000.0
         return Response(content=rendered.png, media_type="image/png", headers={
             "X-Seed": str(rendered.seed), "X-Compute-Ms": f"{rendered.compute_ms:.1f}",

@@ -128,8 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         for batching, size in (("on", args.batch_size), ("off", 1)):
             spec = ServeSpec(method=args.method, ratio=args.ratio, compiler=args.compiler, batch_size=size)
             cpus = args.cpus_per_replica or max(1.0, (os.cpu_count() or 1) // args.replicas)
-            options = AppOptions(replicas=args.replicas, batch_wait_ms=args.batch_wait_ms, cpus_per_replica=cpus,
-                                 max_queued=4 * max(args.concurrency), request_timeout_s=600)
+            options = AppOptions(
+                replicas=args.replicas,
+                batch_wait_ms=args.batch_wait_ms,
+                cpus_per_replica=cpus,
+                max_queued=4 * max(args.concurrency),
+                request_timeout_s=600,
+            )
             start = time.perf_counter()
             serve.run(build_app(spec, options), name="bench", route_prefix="/", blocking=False)
             health = wait_healthy(base, 1800)
@@ -141,9 +146,13 @@ def main(argv: list[str] | None = None) -> int:
                 for clients in args.concurrency:
                     row = drive(base, clients, args.requests, body, seed0=1000 * clients)
                     rows.append({"batching": batching, "batch_size": size, "variant": label, **row})
-                    print(f"  {label:10s} c={clients}: {row['requests_per_s']:.2f} req/s, p50 {row['p50_s']:.2f} s, "
-                          f"p95 {row['p95_s']:.2f} s, mean batch {row['mean_batch']:.1f}, "
-                          f"failures {row['failures']}", file=sys.stderr)
+                    print(
+                        f"  {label:10s} c={clients}: {row['requests_per_s']:.2f} req/s, "
+                        f"p50 {row['p50_s']:.2f} s, "
+                        f"p95 {row['p95_s']:.2f} s, mean batch {row['mean_batch']:.1f}, "
+                        f"failures {row['failures']}",
+                        file=sys.stderr,
+                    )
             serve.delete("bench")
     finally:
         serve.shutdown()
@@ -153,13 +162,19 @@ def main(argv: list[str] | None = None) -> int:
               "machine": platform.machine(), "rows": rows}
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"tome-serve load benchmark: shapes model, {args.steps} steps, {args.compiler}, {args.replicas} replica(s), "
-          f"{os.cpu_count()} CPUs; {args.requests} requests per client")
+    print(
+        f"tome-serve load benchmark: shapes model, {args.steps} steps, {args.compiler}, "
+        f"{args.replicas} replica(s), "
+        f"{os.cpu_count()} CPUs; {args.requests} requests per client"
+    )
     print("| batching | variant | clients | requests/s | p50 latency | p95 latency | mean batch |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['batching']} ({r['batch_size']}) | {r['variant']} | {r['clients']} | {r['requests_per_s']:.2f} | "
-              f"{r['p50_s']:.2f} s | {r['p95_s']:.2f} s | {r['mean_batch']:.1f} |")
+        print(
+            f"| {r['batching']} ({r['batch_size']}) | {r['variant']} | {r['clients']} | "
+            f"{r['requests_per_s']:.2f} | "
+            f"{r['p50_s']:.2f} s | {r['p95_s']:.2f} s | {r['mean_batch']:.1f} |"
+        )
     print(f"wrote {args.json}")
     return 0
 

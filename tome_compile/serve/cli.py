@@ -31,15 +31,26 @@ EPILOG = """examples:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tome-serve", description=__doc__, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="shapes",
-                   help="shapes (the shipped model), a shapes-model folder or a local diffusers pipeline folder")
-    p.add_argument("--onnx", default=None, metavar="PATH", help="serve a tome-export file through ToMeSession")
-    p.add_argument("--ratio", type=float, default=0.5, help="merge ratio (requests may ask for it or 0 = plain)")
+    p.add_argument(
+        "--model",
+        default="shapes",
+        help="shapes (the shipped model), a shapes-model folder or a local diffusers pipeline folder",
+    )
+    p.add_argument(
+        "--onnx", default=None, metavar="PATH", help="serve a tome-export file through ToMeSession"
+    )
+    p.add_argument(
+        "--ratio", type=float, default=0.5, help="merge ratio (requests may ask for it or 0 = plain)"
+    )
     p.add_argument("--method", default="tome", choices=["tome", "importance"])
     p.add_argument("--plan-every", type=int, default=1, metavar="K")
-    p.add_argument("--compiler", default="inductor", help="inner compiler of torch.compile: inductor or eager")
+    p.add_argument(
+        "--compiler", default="inductor", help="inner compiler of torch.compile: inductor or eager"
+    )
     p.add_argument("--seed", type=int, default=0, help="ToMe's partition seed (every batch restarts from it)")
-    p.add_argument("--sizes", default=None, help="picture sizes served, e.g. 32,64 (default: the model's own)")
+    p.add_argument(
+        "--sizes", default=None, help="picture sizes served, e.g. 32,64 (default: the model's own)"
+    )
     p.add_argument("--replicas", type=int, default=1, help="model replicas (fixed)")
     p.add_argument("--min-replicas", type=int, default=None, help="autoscaling: at least this many replicas")
     p.add_argument("--max-replicas", type=int, default=None, help="autoscaling: at most this many replicas")
@@ -52,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-gpus-per-replica", type=float, default=0.0)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--address", default=None, help="a Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument(
+        "--address", default=None, help="a Ray cluster to join (default: RAY_ADDRESS, else a local Ray)"
+    )
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray instance (default: all)")
     return p
 
@@ -65,7 +78,9 @@ def options_from(args: argparse.Namespace) -> tuple[object, object]:
     if (args.min_replicas is None) != (args.max_replicas is None):
         raise ToMeError("give both --min-replicas and --max-replicas (autoscaling), or --replicas N")
     if args.min_replicas is not None and not 0 <= args.min_replicas <= args.max_replicas:
-        raise ToMeError(f"--min-replicas {args.min_replicas} must be in [0, --max-replicas {args.max_replicas}]")
+        raise ToMeError(
+            f"--min-replicas {args.min_replicas} must be in [0, --max-replicas {args.max_replicas}]"
+        )
     if args.replicas < 1:
         raise ToMeError(f"--replicas {args.replicas} must be >= 1")
     for name in ("batch_wait_ms", "request_timeout_s", "num_cpus_per_replica", "num_gpus_per_replica"):
@@ -82,10 +97,16 @@ def options_from(args: argparse.Namespace) -> tuple[object, object]:
     spec = ServeSpec(model=args.model, onnx=args.onnx, method=args.method, ratio=args.ratio,
                      plan_every=args.plan_every, compiler=args.compiler, batch_size=args.max_batch_size,
                      seed=args.seed, sizes=sizes)
-    options = AppOptions(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
-                         batch_wait_ms=args.batch_wait_ms, max_queued=args.max_queued,
-                         request_timeout_s=args.request_timeout_s, cpus_per_replica=args.num_cpus_per_replica,
-                         gpus_per_replica=args.num_gpus_per_replica)
+    options = AppOptions(
+        replicas=args.replicas,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
+        batch_wait_ms=args.batch_wait_ms,
+        max_queued=args.max_queued,
+        request_timeout_s=args.request_timeout_s,
+        cpus_per_replica=args.num_cpus_per_replica,
+        gpus_per_replica=args.num_gpus_per_replica,
+    )
     return spec, options
 
 
@@ -95,8 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec, options = options_from(args)
         if args.model not in ("shapes",) and not os.path.exists(args.model):
-            raise ToMeError(f"--model {args.model!r}: no such folder (give shapes, a shapes-model folder or a "
-                            "diffusers pipeline folder)")
+            raise ToMeError(
+                f"--model {args.model!r}: no such folder (give shapes, a shapes-model folder or a "
+                "diffusers pipeline folder)"
+            )
         if args.onnx is not None and not os.path.isfile(args.onnx):
             raise ToMeError(f"--onnx {args.onnx!r}: no such file")
     except (ToMeError, ValueError) as e:
@@ -136,8 +159,11 @@ def _serve(args: argparse.Namespace, spec: object, options: object) -> int:
         serve.run(build_app(spec, options), name="tome", route_prefix="/", blocking=False)
         serving.set()
         if not stop.is_set():
-            print(f"tome-serve: serving on http://{args.host}:{args.port} — POST /generate, GET /healthz "
-                  f"({'Ray cluster ' + address if address else 'local Ray'}); Ctrl-C or SIGTERM to stop", flush=True)
+            print(
+                f"tome-serve: serving on http://{args.host}:{args.port} — POST /generate, GET /healthz "
+                f"({'Ray cluster ' + address if address else 'local Ray'}); Ctrl-C or SIGTERM to stop",
+                flush=True,
+            )
         stop.wait()
         print("tome-serve: stopping", flush=True)
         return 0

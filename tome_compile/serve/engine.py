@@ -64,7 +64,11 @@ class ServeSpec:
 
     def __post_init__(self) -> None:
         ToMeConfig(ratio=self.ratio, method=self.method, plan_every=self.plan_every, seed=self.seed)
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or not 1 <= self.batch_size <= 64:
+        if (
+            isinstance(self.batch_size, bool)
+            or not isinstance(self.batch_size, int)
+            or not 1 <= self.batch_size <= 64
+        ):
             raise ToMeConfigError(f"batch_size={self.batch_size!r} must be an int in [1, 64]")
         if self.sizes is not None and (not self.sizes or any(isinstance(s, bool) or not isinstance(s, int)
                                                              or s < 8 or s % 8 for s in self.sizes)):
@@ -93,7 +97,10 @@ class Engine:
             self.denoisers, size, method = self._onnx(Path(spec.onnx))
             sizes = (size,)
         else:
-            self.denoisers = {0.0: self._compile(0.0), **({spec.ratio: self._compile(spec.ratio)} if spec.ratio else {})}
+            self.denoisers = {
+                0.0: self._compile(0.0),
+                **({spec.ratio: self._compile(spec.ratio)} if spec.ratio else {}),
+            }
             size, method = self.target.size, spec.method
             sizes = tuple(self.spec.sizes or (size,))
         self.method = method
@@ -138,8 +145,17 @@ class Engine:
         prompt = "red circle" if self.target.shapes_prompts else "a photo"
         for ratio in self.denoisers:
             for size in self.limits.sizes:
-                self.render([Job(prompt=prompt, seed=0, settings=Settings(steps=2, guidance=self.limits.default_guidance,
-                                                                          ratio=ratio, size=size))])
+                self.render(
+                    [
+                        Job(
+                            prompt=prompt,
+                            seed=0,
+                            settings=Settings(
+                                steps=2, guidance=self.limits.default_guidance, ratio=ratio, size=size
+                            ),
+                        )
+                    ]
+                )
         return time.perf_counter() - start
 
     def render(self, jobs: Sequence[Job]) -> list[Rendered]:

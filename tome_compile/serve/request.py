@@ -60,7 +60,8 @@ class Limits:
     max_steps: int = 100
     max_guidance: float = 30.0
     max_prompt: int = 300
-    check_prompt: Any = field(default=None, compare=False, repr=False)  # raises ValueError (shapes: vocabulary)
+    # raises ValueError (shapes: vocabulary)
+    check_prompt: Any = field(default=None, compare=False, repr=False)
 
 
 def _integer(body: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
@@ -84,7 +85,9 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
 def parse_job(body: Any, limits: Limits) -> Job:
     """The :class:`Job` a request body asks for, or a :class:`RequestError` naming the field."""
     if not isinstance(body, dict):
-        raise RequestError("body", f"must be a JSON object with the fields {list(FIELDS)}, not {type(body).__name__}")
+        raise RequestError(
+            "body", f"must be a JSON object with the fields {list(FIELDS)}, not {type(body).__name__}"
+        )
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise RequestError(unknown[0], f"unknown field (the fields are {list(FIELDS)})")
@@ -103,10 +106,15 @@ def parse_job(body: Any, limits: Limits) -> Job:
     guidance = _number(body, "guidance", limits.default_guidance, 0.0, limits.max_guidance)
     ratio = _number(body, "ratio", limits.default_ratio, 0.0, 1.0)
     if not any(math.isclose(ratio, r, abs_tol=1e-9) for r in limits.ratios):
-        raise RequestError("ratio", f"{ratio:g} is not served here; this server merges at {list(limits.ratios)} "
-                                    "(0 = the plain model)")
+        raise RequestError(
+            "ratio",
+            f"{ratio:g} is not served here; this server merges at {list(limits.ratios)} "
+            "(0 = the plain model)",
+        )
     size = _integer(body, "size", limits.default_size, min(limits.sizes), max(limits.sizes))
     if size not in limits.sizes:
         raise RequestError("size", f"{size} is not served here; sizes are {list(limits.sizes)}")
     ratio = next(r for r in limits.ratios if math.isclose(ratio, r, abs_tol=1e-9))
-    return Job(prompt=prompt, seed=seed, settings=Settings(steps=steps, guidance=guidance, ratio=ratio, size=size))
+    return Job(
+        prompt=prompt, seed=seed, settings=Settings(steps=steps, guidance=guidance, ratio=ratio, size=size)
+    )

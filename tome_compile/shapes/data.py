@@ -90,7 +90,9 @@ def render(seed: int, size: int = 32, colour: str | None = None, shape: str | No
     if rng.random() < 0.5:
         freq = rng.uniform(2, 6)
         phase = rng.uniform(0, 2 * np.pi, 2)
-        tex = np.sin(freq * 2 * np.pi * t[None, :] + phase[0]) * np.sin(freq * 2 * np.pi * t[:, None] + phase[1])
+        tex = np.sin(freq * 2 * np.pi * t[None, :] + phase[0]) * np.sin(
+            freq * 2 * np.pi * t[:, None] + phase[1]
+        )
         background = background + 0.06 * tex[..., None]
     radius = rng.uniform(0.2, 0.36) * big
     margin = radius * 1.05

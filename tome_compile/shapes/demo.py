@@ -26,9 +26,16 @@ from tome_compile.shapes.sample import DEFAULT_GUIDANCE, DEFAULT_STEPS, compile_
 
 __all__ = ["main"]
 
-DEFAULT_PROMPTS = ["red circle", "blue square", "green triangle", "yellow cross", "magenta ring", "cyan circle"]
+DEFAULT_PROMPTS = [
+    "red circle",
+    "blue square",
+    "green triangle",
+    "yellow cross",
+    "magenta ring",
+    "cyan circle",
+]
 EPILOG = """examples:
-  tome-demo                                   # shipped model, ratio 0.5, 6 prompts x 1 seed, eager inner compiler
+  tome-demo                                   # shipped model, ratio 0.5, 6 prompts x 1 seed, eager
   tome-demo --compiler inductor --seeds 2     # the compiled speed-up (cold compiles: minutes)
   tome-demo --ratio 0.7 --steps 30 --out demo_0.7.png
   tome-demo --prompts "red ring" "blue cross" --seeds 4 --compiler eager
@@ -56,8 +63,10 @@ def load_target(model: str | None, size: int | None = None, device: str = "cpu")
 
     folder = Path(model) if model else SHIPPED_WEIGHTS
     if not folder.exists():
-        raise ToMeModelError(f"--model {str(folder)!r} does not exist; give a shapes-model folder, a diffusers "
-                             "pipeline folder (with model_index.json) or a U-Net folder (config.json)")
+        raise ToMeModelError(
+            f"--model {str(folder)!r} does not exist; give a shapes-model folder, a diffusers "
+            "pipeline folder (with model_index.json) or a U-Net folder (config.json)"
+        )
     if (folder / "model_index.json").is_file():
         return _pipeline_target(folder, size, device)
     config_path = folder / "config.json"
@@ -68,9 +77,11 @@ def load_target(model: str | None, size: int | None = None, device: str = "cpu")
         interface = {"in_channels": 3, "out_channels": 3, "sample_size": 32, "cross_attention_dim": 64}
         wrong = {k: config.get(k) for k, v in interface.items() if config.get(k) != v}
         if wrong:
-            raise ToMeModelError(f"U-Net {str(folder)!r} has {wrong}, not the shapes model's {interface}: a U-Net "
-                                 "alone cannot make pictures without its text encoder and VAE; give the pipeline "
-                                 "folder (the one with model_index.json) instead")
+            raise ToMeModelError(
+                f"U-Net {str(folder)!r} has {wrong}, not the shapes model's {interface}: a U-Net "
+                "alone cannot make pictures without its text encoder and VAE; give the pipeline "
+                "folder (the one with model_index.json) instead"
+            )
         shapes = load_model()  # the shipped prompt encoder
         shapes.unet = UNet2DConditionModel.from_pretrained(folder, local_files_only=True).eval()
     else:
@@ -88,10 +99,14 @@ def _pipeline_target(folder: Path, size: int | None, device: str = "cpu") -> Tar
     try:
         pipe = DiffusionPipeline.from_pretrained(folder, local_files_only=True, safety_checker=None)
     except Exception as e:  # diffusers raises many types for a broken folder
-        raise ToMeModelError(f"could not load the diffusers pipeline in {str(folder)!r} ({type(e).__name__}: "
-                             f"{e}); check that every component named in model_index.json is saved there") from e
+        raise ToMeModelError(
+            f"could not load the diffusers pipeline in {str(folder)!r} ({type(e).__name__}: "
+            f"{e}); check that every component named in model_index.json is saved there"
+        ) from e
     if not hasattr(pipe, "unet"):
-        raise ToMeModelError(f"pipeline {type(pipe).__name__} in {str(folder)!r} has no .unet to merge tokens in")
+        raise ToMeModelError(
+            f"pipeline {type(pipe).__name__} in {str(folder)!r} has no .unet to merge tokens in"
+        )
     pipe.set_progress_bar_config(disable=True)
     pipe.to(device)
     original = pipe.unet
@@ -102,8 +117,15 @@ def _pipeline_target(folder: Path, size: int | None, device: str = "cpu") -> Tar
         pipe.unet = unet
         try:
             side = size or default
-            out = pipe(prompt=prompts, num_inference_steps=steps, guidance_scale=guidance, height=side, width=side,
-                       generator=[torch.Generator().manual_seed(s) for s in seeds], output_type="pt")
+            out = pipe(
+                prompt=prompts,
+                num_inference_steps=steps,
+                guidance_scale=guidance,
+                height=side,
+                width=side,
+                generator=[torch.Generator().manual_seed(s) for s in seeds],
+                output_type="pt",
+            )
         finally:
             pipe.unet = original
         return out.images.float().clamp(0, 1)
@@ -115,21 +137,36 @@ def _pipeline_target(folder: Path, size: int | None, device: str = "cpu") -> Tar
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tome-demo", description=__doc__, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="a shapes-model folder, a local diffusers pipeline folder "
-                        "(model_index.json) or U-Net folder (default: the shipped shapes model)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a shapes-model folder, a local diffusers pipeline folder "
+        "(model_index.json) or U-Net folder (default: the shipped shapes model)",
+    )
     parser.add_argument("--size", type=int, default=None,
                         help="picture height and width for a diffusers pipeline (default: its own)")
     parser.add_argument("--ratio", type=float, default=0.5)
-    parser.add_argument("--steps", type=int, default=None,
-                        help=f"denoising steps (default: {DEFAULT_STEPS} for the shapes model, 25 for a pipeline)")
-    parser.add_argument("--guidance", type=float, default=None,
-                        help=f"CFG scale (default: {DEFAULT_GUIDANCE} for the shapes model, 7.5 for a pipeline)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"denoising steps (default: {DEFAULT_STEPS} for the shapes model, 25 for a pipeline)",
+    )
+    parser.add_argument(
+        "--guidance",
+        type=float,
+        default=None,
+        help=f"CFG scale (default: {DEFAULT_GUIDANCE} for the shapes model, 7.5 for a pipeline)",
+    )
     parser.add_argument("--prompts", nargs="+", default=DEFAULT_PROMPTS)
     parser.add_argument("--seeds", type=int, default=1, help="seeds per prompt (default 1)")
-    parser.add_argument("--compiler", default="eager",
-                        help="inner compiler of torch.compile(unet, backend=tome_backend(...)): eager (default: "
-                             "a first run in about 30 s) or inductor (the compiled speed; about 3 minutes of "
-                             "cold compiles on 2 cores, about 1 minute from inductor's cache)")
+    parser.add_argument(
+        "--compiler",
+        default="eager",
+        help="inner compiler of torch.compile(unet, backend=tome_backend(...)): eager (default: "
+        "a first run in about 30 s) or inductor (the compiled speed; about 3 minutes of "
+        "cold compiles on 2 cores, about 1 minute from inductor's cache)",
+    )
     parser.add_argument("--out", default="tome_demo.png")
     args = parser.parse_args(argv)
     try:
@@ -192,7 +229,10 @@ def _run(args: argparse.Namespace) -> int:
     seeds = [s for _ in args.prompts for s in range(args.seeds)]
     methods: dict[str, Any] = {
         "plain": compile_unet(target.unet, "plain", 0.0, args.compiler),
-        **{f"{m} {args.ratio}": compile_unet(target.unet, m, args.ratio, args.compiler) for m in ("tome", "importance")},
+        **{
+            f"{m} {args.ratio}": compile_unet(target.unet, m, args.ratio, args.compiler)
+            for m in ("tome", "importance")
+        },
     }
     images: dict[str, torch.Tensor] = {}
     seconds: dict[str, float] = {}
@@ -201,7 +241,8 @@ def _run(args: argparse.Namespace) -> int:
         for name, compiled in methods.items():
             bar.set_postfix_str(f"{name}: compile + warm-up")
             start = time.perf_counter()
-            target.sample(compiled, prompts, seeds, min(2, args.steps), args.guidance)  # same shapes: no recompile
+            # same shapes: no recompile
+            target.sample(compiled, prompts, seeds, min(2, args.steps), args.guidance)
             warmup[name] = time.perf_counter() - start
             bar.update(1)
             bar.set_postfix_str(f"{name}: {len(prompts)} pictures")
@@ -218,13 +259,15 @@ def _run(args: argparse.Namespace) -> int:
             "psnr_db": None if name == "plain" else float(psnr(imgs, plain).clamp(max=PSNR_CAP_DB).mean()),
             "ssim": None if name == "plain" else float(ssim(imgs, plain).mean()),
             "probe_accuracy": None if probe is None else
-            sum(p == q for p, q in zip(probe.predict(imgs), prompts)) / len(prompts),
+            sum(p == q for p, q in zip(probe.predict(imgs), prompts, strict=True)) / len(prompts),
             "compile_and_warmup_s": warmup[name],
         })
     picture = labelled_grid([(_row_label(r), images[r["method"]]) for r in rows],
-                            [[p, f"seed {s}"] for p, s in zip(prompts, seeds)],
+                            [[p, f"seed {s}"] for p, s in zip(prompts, seeds, strict=True)],
                             scale=4 if plain.shape[-1] <= 64 else 1)  # 32x32 pictures: 4x larger
-    write_atomically(out, lambda path: picture.save(path, format=Image.registered_extensions()[out.suffix.lower()]))
+    write_atomically(
+        out, lambda path: picture.save(path, format=Image.registered_extensions()[out.suffix.lower()])
+    )
     meta = {"model": target.name, "prompts": prompts, "seeds": seeds, "steps": args.steps,
             "guidance": args.guidance, "compiler": args.compiler, "rows": list(images), "results": rows}
     write_atomically(out.with_suffix(".json"), lambda path: path.write_text(json.dumps(meta, indent=1)))

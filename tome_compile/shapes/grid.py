@@ -24,8 +24,13 @@ def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
 
 def bare_grid(rows: Sequence[torch.Tensor], scale: int = 1) -> Image.Image:
     """``rows`` of ``[N, 3, H, W]`` images in ``[0, 1]`` side by side, rows stacked; no labels."""
-    grid = np.concatenate([np.concatenate(list((r.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)), 1)
-                           for r in rows], 0)
+    grid = np.concatenate(
+        [
+            np.concatenate(list((r.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)), 1)
+            for r in rows
+        ],
+        0,
+    )
     picture = Image.fromarray(grid)
     if scale > 1:
         picture = picture.resize((grid.shape[1] * scale, grid.shape[0] * scale), Image.NEAREST)
@@ -60,7 +65,9 @@ def labelled_grid(rows: Sequence[tuple[list[str], torch.Tensor]], columns: Seque
             while len(line) > 1 and _text_size(draw, line, font)[0] > cell_w - 2:  # long free-text prompts
                 line = line[:-2] + "…"
             width = _text_size(draw, line, font)[0]
-            draw.text((row_w + i * cell_w + (cell_w - width) // 2, _PAD + j * line_h), line, fill=_INK, font=font)
+            draw.text(
+                (row_w + i * cell_w + (cell_w - width) // 2, _PAD + j * line_h), line, fill=_INK, font=font
+            )
     for i, (label, _) in enumerate(rows):
         top = head_h + i * cell_h + (cell_h - len(label) * line_h) // 2
         for j, line in enumerate(label):

@@ -16,7 +16,15 @@ import torch
 
 from tome_compile.shapes.data import VOCAB, tokenize
 
-__all__ = ["SHIPPED_WEIGHTS", "UNET_CONFIG", "PromptEncoder", "ShapesModel", "build_model", "load_model", "save_model"]
+__all__ = [
+    "SHIPPED_WEIGHTS",
+    "UNET_CONFIG",
+    "PromptEncoder",
+    "ShapesModel",
+    "build_model",
+    "load_model",
+    "save_model",
+]
 
 SHIPPED_WEIGHTS = Path(__file__).parent / "weights"  # the model and probe that ship with the package
 
@@ -56,7 +64,9 @@ def build_model(seed: int = 0) -> ShapesModel:
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return ShapesModel(UNet2DConditionModel(**UNET_CONFIG), PromptEncoder(UNET_CONFIG["cross_attention_dim"]))
+        return ShapesModel(
+            UNet2DConditionModel(**UNET_CONFIG), PromptEncoder(UNET_CONFIG["cross_attention_dim"])
+        )
 
 
 def save_model(model: ShapesModel, folder: str | Path, meta: dict[str, Any] | None = None) -> None:

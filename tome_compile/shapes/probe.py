@@ -45,7 +45,10 @@ class Probe(torch.nn.Module):
     def predict(self, images01: torch.Tensor) -> list[str]:
         """Prompts predicted for ``[B, 3, 32, 32]`` pictures in ``[0, 1]``."""
         s, c = self(images01 * 2 - 1)
-        return [f"{list(COLOURS)[ci]} {SHAPES[si]}" for si, ci in zip(s.argmax(1).tolist(), c.argmax(1).tolist())]
+        return [
+            f"{list(COLOURS)[ci]} {SHAPES[si]}"
+            for si, ci in zip(s.argmax(1).tolist(), c.argmax(1).tolist(), strict=True)
+        ]
 
 
 def _labels(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     probe.eval()
     images, prompts = render_batch(range(20_000_000, 20_002_000))  # held out
     predicted = probe.predict((torch.from_numpy(images) + 1) / 2)
-    accuracy = sum(p == q for p, q in zip(predicted, prompts)) / len(prompts)
+    accuracy = sum(p == q for p, q in zip(predicted, prompts, strict=True)) / len(prompts)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in probe.state_dict().items()}, str(out / "probe.safetensors"))

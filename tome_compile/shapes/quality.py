@@ -55,7 +55,9 @@ def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *,
     runs += [(f"{m} {r}", m, r) for r in ratios for m in methods]
     images: dict[str, torch.Tensor] = {}
     other_seeds = [NOISE_FLOOR_SEED + s for s in seeds]
-    for name, variant, ratio in tqdm(runs, desc="quality", unit="method", disable=not progress, file=sys.stderr):
+    for name, variant, ratio in tqdm(
+        runs, desc="quality", unit="method", disable=not progress, file=sys.stderr
+    ):
         method = variant.split("-")[0]
         # Each run compiles afresh: Dynamo keeps every compile of the U-Net's forward and, past its
         # recompile limit (8), silently runs the plain model — the later variants would measure nothing.
@@ -76,7 +78,7 @@ def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *,
     rows = []
     for name, imgs in images.items():
         predicted = probe.predict(imgs)
-        correct = torch.tensor([float(p == q) for p, q in zip(predicted, prompts)])
+        correct = torch.tensor([float(p == q) for p, q in zip(predicted, prompts, strict=True)])
         row: dict[str, Any] = {"method": name, "probe_accuracy": float(correct.mean())}
         if name != "plain":
             p = psnr(imgs, plain).clamp(max=PSNR_CAP_DB)
@@ -95,7 +97,10 @@ def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *,
                 a, b = per_image[f"{variant} {r}"], per_image[f"tome {r}"]
                 entry: dict[str, Any] = {"ratio": r, "variant": variant}
                 for key in ("psnr_db", "ssim"):
-                    x, y = torch.tensor(a[key], dtype=torch.float64), torch.tensor(b[key], dtype=torch.float64)
+                    x, y = (
+                        torch.tensor(a[key], dtype=torch.float64),
+                        torch.tensor(b[key], dtype=torch.float64),
+                    )
                     entry[f"delta_{key}"] = bootstrap_mean(x - y)
                     entry[f"closer_{key}"] = bootstrap_mean((x > y).double() + 0.5 * (x == y).double())
                 paired.append(entry)
@@ -121,9 +126,14 @@ def format_tables(result: dict[str, Any]) -> str:
         lines.append(f"| {r['method']} | {_ci(r['psnr_db'], '.2f')} | {_ci(r['ssim'], '.4f')} | "
                      f"{_ci(r['feature_distance'], '.3f')} | {r['probe_accuracy']:.1%} |")
     if result["paired"]:
-        lines += ["", "each variant minus exact random ToMe at equal ratio, paired per picture:", "",
-                  "| variant | ratio | delta PSNR (dB) | delta SSIM | variant closer (PSNR) | variant closer (SSIM) |",
-                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "each variant minus exact random ToMe at equal ratio, paired per picture:",
+            "",
+            "| variant | ratio | delta PSNR (dB) | delta SSIM | variant closer (PSNR) "
+            "| variant closer (SSIM) |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for e in result["paired"]:
             lines.append(f"| {e['variant']} | {e['ratio']} | {_ci(e['delta_psnr_db'], '+.2f')} | "
                          f"{_ci(e['delta_ssim'], '+.4f')} | {_ci(e['closer_psnr_db'], '.0%')} | "
@@ -165,17 +175,30 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--seeds {args.seeds} must be >= 1 (4 gives the default 120 pairs)")
         out = Path(args.out)
         if not out.parent.is_dir():
-            raise ValueError(f"--out {str(out)!r}: folder {str(out.parent)!r} does not exist; create it first")
+            raise ValueError(
+                f"--out {str(out)!r}: folder {str(out.parent)!r} does not exist; create it first"
+            )
         model = load_model(args.model)
         prompts = [f"{c} {s}" for c in COLOURS for s in SHAPES for _ in range(args.seeds)]
         seeds = [k for _ in COLOURS for _ in SHAPES for k in range(args.seeds)]
-        result = run_quality(model, load_probe(), prompts, seeds, ratios=args.ratios, methods=tuple(args.variants),
-                             steps=args.steps, guidance=args.guidance, compiler=args.compiler)
+        result = run_quality(
+            model,
+            load_probe(),
+            prompts,
+            seeds,
+            ratios=args.ratios,
+            methods=tuple(args.variants),
+            steps=args.steps,
+            guidance=args.guidance,
+            compiler=args.compiler,
+        )
     except (ToMeError, ValueError) as e:
         print(f"quality: error: {e}", file=sys.stderr)
         return 2
     result["model"] = args.model or "shipped"
-    result["command"] = "python -m tome_compile.shapes.quality " + " ".join(argv if argv is not None else sys.argv[1:])
+    result["command"] = "python -m tome_compile.shapes.quality " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
     write_atomically(out, lambda path: path.write_text(json.dumps(result, indent=1)))
     print(format_tables(result))
     print(f"\nwrote {out}")
