@@ -138,3 +138,24 @@ def test_gather_rows_equals_gather_and_exports_without_an_expanded_index(tmp_pat
         ops[name] = {n.op_type for n in onnx.load(str(path)).graph.node}
     assert "Gather" in ops["rows"] and "GatherElements" not in ops["rows"]
     assert "GatherElements" in ops["elements"]
+
+
+def test_importing_the_math_loads_no_pass_or_backend():
+    """``tome_compile.merge`` is pure tensor math: importing it (and so the package) loads neither
+    the pass, the backend nor Dynamo; asking the package for the backend does."""
+    import ast
+    import subprocess
+    import sys
+
+    probe = ("import sys, {stmt}; print(sorted(m for m in sys.modules if m.startswith("
+             "('tome_compile.backend', 'tome_compile.passes', 'tome_compile.state', 'torch._dynamo'))))")
+
+    def loaded(stmt):
+        out = subprocess.run([sys.executable, "-c", probe.format(stmt=stmt)], capture_output=True, text=True,
+                             timeout=300, check=True).stdout
+        return ast.literal_eval(out)  # a printed list of module names
+
+    assert loaded("tome_compile.merge") == []
+    assert loaded("tome_compile.config") == []
+    after = loaded("tome_compile; tome_compile.tome_backend")
+    assert "tome_compile.backend" in after and "tome_compile.passes" in after
