@@ -39,7 +39,6 @@ from tome_compile.export.ort_optimizer import optimize_for_ort
 from tome_compile.passes import PLAN_SLOTS, PLAN_WEIGHTS, ToMeResult, find_unet_io, merge_self_attention
 from tome_compile.passes.merge_self_attention import nothing_rewritten
 from tome_compile.passes.sites import node_shape as _sites_node_shape
-from tome_compile.passes.sites import pass_starts
 from torch import fx
 
 from tome_compile.config import ToMeConfig
@@ -267,7 +266,7 @@ def _drop_dead_code(gm: fx.GraphModule) -> int:
     return before - len(_sdpa_nodes(gm))
 
 
-def _attention_count(unet: torch.nn.Module, gm: fx.GraphModule, dead: int = 0) -> int:
+def _attention_count(unet: torch.nn.Module, gm: fx.GraphModule, passes: int, dead: int = 0) -> int:
     """The attention layers (diffusers ``Attention`` modules, once per U-Net pass, less ``dead``
     ones nothing reads) that must each become one fused node: all but those with a mask (PixArt's
     text mask on cross-attention keeps the plain ONNX translation: MultiHeadAttention's bias cannot
@@ -276,7 +275,7 @@ def _attention_count(unet: torch.nn.Module, gm: fx.GraphModule, dead: int = 0) -
 
     masked = sum(1 for n in _sdpa_nodes(gm) if len(n.args) > 3 and n.args[3] is not None
                  or n.kwargs.get("attn_mask") is not None)
-    passes = len(pass_starts(gm)) or 1  # the multi-view wrapper runs its U-Net twice
+    # ``passes``: the multi-view wrapper runs its U-Net twice
     return sum(isinstance(m, Attention) for m in unet.modules()) * passes - dead - masked
 
 
@@ -476,7 +475,8 @@ def export_onnx(
     _promote_mixed_concats(gm)
     dead_attentions = _drop_dead_code(gm)
     times["trace"] = time.perf_counter() - start
-    # the noise output's channel axis and noise channels: the importance map reads them
+    # found once: the pass reads the passes and the timestep; the metadata the noise output's
+    # channel axis and noise channels (the importance map reads them)
     unet_io = find_unet_io(gm)
 
     step("rewriting attention sites (ToMe pass)")
@@ -484,11 +484,11 @@ def export_onnx(
     # plan_every: one graph that makes or reuses the plans per call (a tome_reuse_plan input, ONNX If)
     result = merge_self_attention(gm, config, oracle=oracle, in_graph_fallback=True,
                                   in_graph_random=not partition_input,
-                                  plan_state="either" if config.plan_every > 1 else None)
+                                  plan_state="either" if config.plan_every > 1 else None, io=unet_io)
     if not oracle and (why := nothing_rewritten(result, config)) is not None:
         raise ToMeExportError(f"{why} — nothing to export with ToMe (--ratio 0 exports the plain U-Net)")
     _assert_no_scatter_mean(gm)
-    attentions = _attention_count(unet, gm, dead_attentions)
+    attentions = _attention_count(unet, gm, len(unet_io.passes), dead_attentions)
     extra = _example_tome_inputs(result, seed)
     input_names = names + result.input_names
 
@@ -519,7 +519,7 @@ def export_onnx(
         "dtype": "float16" if fp16 else "float32",
     }
     if inputs.cond_lat is not None:
-        meta["multiview"] = {"cond_lat": list(inputs.cond_lat.shape[1:]), "passes": len(pass_starts(gm)),
+        meta["multiview"] = {"cond_lat": list(inputs.cond_lat.shape[1:]), "passes": len(unet_io.passes),
                              "is_cfg_guidance": bool(getattr(unet, "is_cfg_guidance", False)),
                              "noise": "input (ToMeSession draws it with torch.randn_like when not given)"}
 

@@ -15,7 +15,8 @@ from tome_compile.passes.merge_self_attention import (
     ToMeSite,
     merge_self_attention,
 )
-from tome_compile.passes.sites import AttentionSite, UNetIO, find_attention_sites, find_unet_io
+from tome_compile.passes.sites import AttentionSite, find_attention_sites
+from tome_compile.passes.unet_io import UNetIO, find_unet_io
 
 __all__ = [
     "DST_KEY_INPUT",

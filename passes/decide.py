@@ -109,8 +109,7 @@ def _targets(site: _sites.AttentionSite, found: list[_sites.AttentionSite], grap
             out.append(Target(input=c.input, output=c.output, region=tuple(c.nodes), path=c.path, name=name,
                               bakes_tokens=name in classic))
     if config.merge_mlp:
-        spans = _sites.pass_spans(graph)
-        ff = _sites.region_nodes(graph, block + ".ff", spans[site.unet_pass] if len(spans) > 1 else None)
+        ff = _sites.region_nodes(graph, block + ".ff", site.span)
         exits = _sites.region_exits(ff)
         inside = set(ff)
         inputs = {a for node in ff for a in node.all_input_nodes

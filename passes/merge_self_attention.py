@@ -25,6 +25,7 @@ import torch
 from tome_compile.passes import sites as _sites
 from tome_compile.passes.decide import BlockPlan, Skip, decide_site
 from tome_compile.passes.rewrite import BlockInputs, rewrite_block
+from tome_compile.passes.unet_io import UNetIO, find_unet_io
 from torch import fx
 
 from tome_compile import merge as _merge
@@ -110,6 +111,7 @@ class ToMeResult:
     outputs: list[ToMeInputSpec] = field(default_factory=list)
     plan_state: str | None = None
     guidance: GuidanceLayout | None = None  # importance: the layout its plans and map assume
+    io: UNetIO | None = None  # the graph's U-Net inputs, output and passes, as found before the rewrite
 
     @property
     def rewritten(self) -> list[ToMeSite]:
@@ -141,6 +143,7 @@ class _Mode:
     in_graph_random: bool = False
     plan_state: str | None = None
     guidance: GuidanceLayout | None = None  # importance: which rows of the batch are one image's
+    timestep_index: int | None = None  # the timestep among the graph's inputs (in-graph randomness)
 
 
 def _choose_mode(config: ToMeConfig, method: str | None, oracle: bool, in_graph_fallback: bool,
@@ -213,8 +216,9 @@ def _rewrite_all(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig,
     if reuse_only:
         pass  # every plan comes from the state inputs: nothing drawn, nothing hashed
     elif mode.in_graph_random:
-        _hashed_inputs(gm, add, nodes, sum(a * b for a, b in drawn) if wants_partition else 0,
-                       config.sx * config.sy, sum(pools) if importance else 0)
+        cells_drawn = sum(a * b for a, b in drawn) if wants_partition else 0
+        _hashed_inputs(gm, mode.timestep_index, add, nodes, cells_drawn, config.sx * config.sy,
+                       sum(pools) if importance else 0)
     else:
         if importance and mode.use_rand:
             add(ToMeInputSpec(DST_KEY_INPUT, (images, sum(pools)), torch.float32, "dst_key"))
@@ -276,15 +280,14 @@ def _append_outputs(graph: fx.Graph, plan_nodes: list[fx.Node], specs: list[ToMe
     output.args = (type(values)([*values, *parts]),)
 
 
-def _hashed_inputs(gm: fx.GraphModule, add: Callable[[ToMeInputSpec], None], nodes: dict[str, fx.Node],
-                   cells: int, choices: int, keys: int) -> None:
+def _hashed_inputs(gm: fx.GraphModule, timestep_index: int | None, add: Callable[[ToMeInputSpec], None],
+                   nodes: dict[str, fx.Node], cells: int, choices: int, keys: int) -> None:
     """Deployment form of the random draws: a ``tome_seed`` input, and the partition / keys hashed
     from it and the timestep inside the graph (no Random* op, no non-standard input needed)."""
-    io = _sites.find_unet_io(gm)
-    if io.timestep_index is None:
+    if timestep_index is None:
         raise ToMeRewriteError("in-graph random destinations need the timestep as a graph input; "
                                "none was found (pass in_graph_random=False to take tome_partition)")
-    timestep = [n for n in gm.graph.nodes if n.op == "placeholder"][io.timestep_index]
+    timestep = [n for n in gm.graph.nodes if n.op == "placeholder"][timestep_index]
     add(ToMeInputSpec(SEED_INPUT, (), torch.int64, "seed"))
     seed = nodes.pop("seed")
     with gm.graph.inserting_after(seed):
@@ -525,6 +528,7 @@ def merge_self_attention(
     in_graph_fallback: bool = False,
     in_graph_random: bool = False,
     plan_state: str | None = None,
+    io: UNetIO | None = None,
 ) -> ToMeResult:
     """Rewrite every high-resolution self-attention of ``gm`` in place and report every site.
 
@@ -551,24 +555,30 @@ def merge_self_attention(
             ``tome_plan_weights_out``); ``"reuse"`` takes every plan from ``tome_plan_slots`` /
             ``tome_plan_weights`` inputs (no matching, nothing drawn); ``"either"`` does both
             with a ``tome_reuse_plan`` bool input choosing per call (``torch.cond``, ONNX ``If``).
+        io: :func:`~tome_compile.passes.unet_io.find_unet_io` of ``gm`` as it is now (before any
+            rewrite), when the caller has it; found here otherwise. Carried on the result.
     Returns:
         :class:`ToMeResult`; ``inputs`` describes the graph inputs appended to ``gm`` (feed them
         last, in that order), ``outputs`` the outputs appended after the model's own.
     """
     if plan_state not in PLAN_STATES:
         raise ToMeRewriteError(f"plan_state={plan_state!r} is not one of {PLAN_STATES}")
-    found = _sites.find_attention_sites(gm)
-    passes = _sites.unet_passes(gm)
-    latent = latent_hw or passes[-1].latent  # the sample's (the pass whose output the graph returns)
+    io = io or find_unet_io(gm)
+    found = _sites.find_attention_sites(gm, io.spans)
+    passes = list(io.passes)
+    latent = latent_hw or io.latent  # the sample's (the pass whose output the graph returns)
     decisions = _select_blocks(_decide_all(gm, found, passes, config, latent_hw), found, config, passes)
     plans = [d for d in decisions if isinstance(d, BlockPlan)] if config.enabled else []
     first = next((s[0] for p in plans if isinstance(s := _sites.node_shape(p.site.input), tuple)), None)
     batch = first if isinstance(first, int) else None
     # the CFG pairs are pairs of samples: a video U-Net folds its frames into the attention batch
     # (1 video x 16 frames is 16 rows and still no pair)
-    samples = _sites.sample_batch(gm)
+    samples = io.sample_batch
     pairs_of = samples if samples is not None and isinstance(batch, int) and batch % samples == 0 else batch
-    mode = _choose_mode(config, method, oracle, in_graph_fallback, pairs_of, in_graph_random, plan_state)
+    mode = dataclasses.replace(
+        _choose_mode(config, method, oracle, in_graph_fallback, pairs_of, in_graph_random, plan_state),
+        timestep_index=io.timestep_index,
+    )
     # a symbolic batch (dynamic ONNX export) sizes the plan-state specs by its traced value
     hint = batch if batch is not None else getattr(getattr(first, "node", None), "hint", None)
     kept, (specs, outputs), failures = (_apply(gm, plans, config, mode, latent, hint, validate) if plans
@@ -580,4 +590,4 @@ def merge_self_attention(
     return ToMeResult(graph_module=gm, modified=bool(kept), sites=report, inputs=specs, latent_hw=latent,
                       batch=batch, outputs=outputs, plan_state=mode.plan_state if kept else None,
                       guidance=mode.guidance if kept else None,
-                      method=mode.method if kept else (method or config.method))
+                      method=mode.method if kept else (method or config.method), io=io)

@@ -27,13 +27,8 @@ from torch import fx
 
 __all__ = [
     "AttentionSite",
-    "UNetIO",
-    "UNetPass",
     "block_grid",
     "find_attention_sites",
-    "find_unet_io",
-    "latent_batch",
-    "latent_size",
     "module_path",
     "node_shape",
     "norm_input",
@@ -41,10 +36,7 @@ __all__ = [
     "pass_starts",
     "region_exits",
     "region_nodes",
-    "sample_batch",
     "temporal_reason",
-    "token_grid",
-    "unet_passes",
 ]
 
 # Recognised op variants, one table: Dynamo (torch level) -> torch.export (aten level).
@@ -124,6 +116,11 @@ def _is_call(node: Any, ops: set[Any]) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in ops
 
 
+def _is_shape_op(node: fx.Node) -> bool:
+    return (node.op == "call_method" and node.target in _PASSTHROUGH_METHODS
+            or node.op == "call_function" and node.target in _PASSTHROUGH_FUNCS)
+
+
 def _projection_of(node: Any) -> fx.Node | None:
     """Walk back through shape-only ops to the linear projection that produced ``node``."""
     for _ in range(16):
@@ -191,6 +188,7 @@ class AttentionSite:
     reference: fx.Node | None = None
     reference_tokens: int | None = None
     unet_pass: int = 0  # which U-Net pass of the graph (a wrapper may run its U-Net twice per call)
+    span: tuple[int, int] | None = None  # that pass's graph positions, when the graph has several
 
     @property
     def block_path(self) -> str:
@@ -236,11 +234,13 @@ def _reference_of(kv: fx.Node, source: fx.Node) -> fx.Node | None:
     return reference
 
 
-def find_attention_sites(gm: fx.GraphModule) -> list[AttentionSite]:
+def find_attention_sites(gm: fx.GraphModule, spans: Sequence[tuple[int, int]] | None = None
+                         ) -> list[AttentionSite]:
     """Every attention op of ``gm`` in execution order, classified, with its region (within its
-    U-Net pass, for a graph that runs the U-Net more than once)."""
+    U-Net pass, for a graph that runs the U-Net more than once). ``spans``: the passes' graph
+    positions (``UNetIO.spans``), found here when not given."""
     sites: list[AttentionSite] = []
-    spans = pass_spans(gm)
+    spans = list(spans) if spans else pass_spans(gm)
     for position, node in enumerate(gm.graph.nodes):
         qkv = _qkv(node)
         if qkv is None:
@@ -258,7 +258,8 @@ def find_attention_sites(gm: fx.GraphModule) -> list[AttentionSite]:
         kind = ("self-attention" if (pk.args[0] is source and pv.args[0] is source) or reference is not None
                 else "cross-attention")
         which = next((i for i, (start, stop) in enumerate(spans) if start <= position < stop), 0)
-        nodes = region_nodes(gm.graph, path, spans[which] if len(spans) > 1 else None) if path else []
+        span = spans[which] if len(spans) > 1 else None
+        nodes = region_nodes(gm.graph, path, span) if path else []
         exits = region_exits(nodes)
         shape = node_shape(source)
         tokens = shape[1] if shape is not None and len(shape) == 3 else None
@@ -275,6 +276,7 @@ def find_attention_sites(gm: fx.GraphModule) -> list[AttentionSite]:
             reference=reference,
             reference_tokens=int(ref_shape[1]) if ref_shape and isinstance(ref_shape[1], int) else None,
             unet_pass=which,
+            span=span,
         )
         if not path:
             site.problem = "no nn_module_stack metadata to scope the region"
@@ -288,13 +290,6 @@ def find_attention_sites(gm: fx.GraphModule) -> list[AttentionSite]:
     return sites
 
 
-def _first_conv(gm: fx.GraphModule) -> fx.Node | None:
-    """The first convolution of the U-Net pass whose output the graph returns: ``conv_in`` (of the
-    last pass, when a wrapper runs its U-Net more than once per call), else the first convolution."""
-    starts = pass_starts(gm)
-    return starts[-1] if starts else None
-
-
 def pass_starts(gm: fx.GraphModule | fx.Graph) -> list[fx.Node]:
     """The first convolution of every U-Net pass in the graph, in execution order: the convolutions
     diffusers names ``conv_in`` (Zero123++'s wrapper runs its U-Net twice per call: the reference
@@ -306,68 +301,16 @@ def pass_starts(gm: fx.GraphModule | fx.Graph) -> list[fx.Node]:
     return named or convs[:1]
 
 
-def pass_spans(gm: fx.GraphModule | fx.Graph) -> list[tuple[int, int]]:
-    """Graph positions ``[start, stop)`` of each U-Net pass (one span for a single-pass graph)."""
+def pass_spans(gm: fx.GraphModule | fx.Graph, starts: list[fx.Node] | None = None) -> list[tuple[int, int]]:
+    """Graph positions ``[start, stop)`` of each U-Net pass (one span for a single-pass graph);
+    ``starts``: :func:`pass_starts`, when already found."""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
-    starts = pass_starts(graph)
+    starts = pass_starts(graph) if starts is None else starts
     if len(starts) < 2:
         return [(0, len(graph.nodes))]
     position = {n: i for i, n in enumerate(graph.nodes)}
     bounds = [0] + [position[n] for n in starts[1:]] + [len(graph.nodes)]
     return list(zip(bounds[:-1], bounds[1:], strict=True))
-
-
-@dataclass(frozen=True)
-class UNetPass:
-    """One U-Net pass of a graph: its latent (the first convolution's input), its token grid (that
-    convolution's output: the patch grid of a DiT) and its rows (B x F for a video U-Net)."""
-
-    latent: tuple[int, int] | None
-    grid: tuple[int, int] | None
-    rows: int | None
-
-
-def unet_passes(gm: fx.GraphModule) -> list[UNetPass]:
-    """Every U-Net pass of ``gm``, in execution order (see :func:`pass_starts`)."""
-    out = []
-    for conv in pass_starts(gm) or [None]:
-        shape = node_shape(conv.args[0]) if conv is not None else None
-        grid = node_shape(conv) if conv is not None else None
-        four = shape is not None and len(shape) == 4
-        out.append(
-            UNetPass(
-                latent=(int(shape[2]), int(shape[3])) if four and _static(shape[2:]) else None,
-                grid=(int(grid[2]), int(grid[3]))
-                if grid is not None and len(grid) == 4 and _static(grid[2:])
-                else None,
-                rows=int(shape[0]) if four and isinstance(shape[0], int) else None,
-            )
-        )
-    return out
-
-
-def latent_size(gm: fx.GraphModule) -> tuple[int, int] | None:
-    """Spatial size (h, w) of the latent: the input of the first convolution (``conv_in``)."""
-    return unet_passes(gm)[-1].latent
-
-
-def token_grid(gm: fx.GraphModule) -> tuple[int, int] | None:
-    """The full-resolution token grid: the output size of the first convolution — the latent for a
-    U-Net (``conv_in``, stride 1), the patch grid for a DiT (PixArt's patchify conv, stride = patch)."""
-    return unet_passes(gm)[-1].grid
-
-
-def sample_batch(gm: fx.GraphModule) -> int | None:
-    """The batch of the model's sample input (videos for a video U-Net), or None when unknown."""
-    node = _sample_placeholder(gm)
-    shape = node_shape(node) if node is not None else None
-    return int(shape[0]) if shape and isinstance(shape[0], int) else None
-
-
-def latent_batch(gm: fx.GraphModule) -> int | None:
-    """Rows of the latent at ``conv_in``: the batch of an image U-Net, batch x frames of a video
-    U-Net (AnimateDiff, SVD fold the frames into the batch); None when symbolic or unknown."""
-    return unet_passes(gm)[-1].rows
 
 
 # Video U-Nets' temporal attention, by diffusers' module names: AnimateDiff's motion modules
@@ -418,131 +361,3 @@ def norm_input(node: fx.Node) -> fx.Node | None:
     return None
 
 
-@dataclass(frozen=True)
-class UNetIO:
-    """Where a U-Net graph takes its sample and timestep and returns its noise prediction.
-
-    ``timestep_index`` is the position of the timestep among the graph's inputs; when Dynamo baked
-    a Python-number timestep into the graph (the first call with an int), it is None and
-    ``timestep_constant`` holds the value (the graph is only called with that value: Dynamo guards
-    on it). Both None: no timestep found (not a diffusion U-Net).
-    """
-
-    sample_index: int
-    timestep_index: int | None
-    timestep_constant: float | None
-    output_index: int
-    channel_axis: int = 1  # of the noise output: 1 (B C H W, AnimateDiff's B C F H W), 2 (SVD's B F C H W)
-    # the noise channels of the output when it holds more (PixArt's learned sigma: eps then variance)
-    noise_channels: int | None = None
-
-    def timestep(self, args: Sequence[Any]) -> Any:
-        """The timestep of one call, from its arguments."""
-        return args[self.timestep_index] if self.timestep_index is not None else self.timestep_constant
-
-
-def _is_shape_op(node: fx.Node) -> bool:
-    return (node.op == "call_method" and node.target in _PASSTHROUGH_METHODS
-            or node.op == "call_function" and node.target in _PASSTHROUGH_FUNCS)
-
-
-def _sample_placeholder(gm: fx.GraphModule) -> fx.Node | None:
-    """The input of the first convolution (conv_in), traced back through shape-preserving ops and
-    the reshapes that fold a video's frames into the batch."""
-    conv = _first_conv(gm)
-    node = conv.args[0] if conv is not None else None
-    for _ in range(32):
-        if not isinstance(node, fx.Node) or node.op == "placeholder":
-            break
-        if _is_shape_op(node) and isinstance(node.args[0], fx.Node):
-            node = node.args[0]
-        else:
-            node = next((a for a in node.all_input_nodes if node_shape(a) == node_shape(node)), None)
-    return node if isinstance(node, fx.Node) and node.op == "placeholder" else None
-
-
-def _channel_axis(gm: fx.GraphModule, out: Any) -> int:
-    """The channel axis of a 5-D video noise output: AnimateDiff unfolds ``[B*F, C, H, W]`` to
-    ``[B, C, F, H, W]`` (a permute), SVD to ``[B, F, C, H, W]`` (a reshape only)."""
-    shape = node_shape(out)
-    if shape is None or len(shape) != 5:
-        return 1
-    convs = [n for n in gm.graph.nodes if _is_call(n, _CONV_OPS)]
-    last = node_shape(convs[-1]) if convs else None
-    if last is not None and len(last) == 4 and isinstance(shape[0], int) and shape[0] > 0:
-        channels, frames = last[1], last[0] // shape[0]
-        if channels != frames and (shape[1], shape[2]) in ((channels, frames), (frames, channels)):
-            return 1 if shape[1] == channels else 2
-    node, permuted = out, False
-    for _ in range(16):  # same channel and frame counts: did the output go through a permute?
-        if not isinstance(node, fx.Node) or not _is_shape_op(node):
-            break
-        permuted |= node.target in ("permute", "transpose", torch.permute, torch.transpose,
-                                    torch.ops.aten.permute.default, torch.ops.aten.transpose.int)
-        node = node.args[0]
-    return 1 if permuted else 2
-
-
-def _ancestors(start: fx.Node, limit: int = 64) -> list[fx.Node]:
-    seen: list[fx.Node] = []
-    frontier = [start]
-    while frontier and len(seen) < limit:
-        node = frontier.pop()
-        for a in node.all_input_nodes:
-            if a not in seen:
-                seen.append(a)
-                frontier.append(a)
-    return seen
-
-
-def _timestep_source(gm: fx.GraphModule, sample: fx.Node | None) -> tuple[fx.Node | None, float | None]:
-    """The timestep's placeholder, or the constant Dynamo baked in, from the time embedding up."""
-    embed = next((n for n in gm.graph.nodes if _is_call(n, _TIME_EMBED_OPS)), None)
-    if embed is None:
-        return None, None
-    ancestors = _ancestors(embed)
-    for node in ancestors:  # a tensor timestep: [] or [B]
-        value = node.meta.get("example_value", node.meta.get("val"))
-        tensor = isinstance(value, torch.Tensor) and value.dim() <= 1
-        if node.op == "placeholder" and node is not sample and tensor:
-            return node, None
-    for node in ancestors:  # a Python number: diffusers wraps it, torch.tensor([t])
-        if _is_call(node, _TENSOR_CONSTANT_OPS) and node.args:
-            flat = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
-            if len(flat) == 1 and isinstance(flat[0], fx.Node) and flat[0].op == "placeholder":
-                return flat[0], None  # a symbolic int/float (Dynamo made it dynamic)
-            if len(flat) == 1 and isinstance(flat[0], (int, float)) and not isinstance(flat[0], bool):
-                return None, float(flat[0])  # baked in: the graph runs for this value only
-    return None, None
-
-
-def find_unet_io(gm: fx.GraphModule) -> UNetIO:
-    """Positions of the sample and timestep inputs and of the noise output, found by structure:
-    the sample feeds the first convolution, the timestep the sinusoidal time embedding, and the
-    output is the first graph output with the sample's batch and spatial size."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    sample = _sample_placeholder(gm)
-    sample_index = placeholders.index(sample) if sample in placeholders else 0
-    timestep, constant = _timestep_source(gm, sample)
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    flat = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
-    want = node_shape(placeholders[sample_index]) if placeholders else None
-    def like_sample(o: Any) -> bool:  # the channel count may differ (SVD: 8 in, 4 out)
-        got = node_shape(o) or ()
-        return (want is not None and len(want) in (4, 5) and len(got) == len(want) and got[:1] == want[:1]
-                and got[-2:] == want[-2:])
-
-    output_index = next((i for i, o in enumerate(flat) if like_sample(o)), 0)
-    return UNetIO(sample_index=sample_index,
-                  timestep_index=placeholders.index(timestep) if timestep is not None else None,
-                  timestep_constant=constant, output_index=output_index,
-                  channel_axis=_channel_axis(gm, flat[output_index]) if flat else 1,
-                  noise_channels=_noise_channels(want, node_shape(flat[output_index]) if flat else None))
-
-
-def _noise_channels(sample: tuple[Any, ...] | None, out: tuple[Any, ...] | None) -> int | None:
-    """A 4-D output with twice the sample's channels is ``[eps; variance]`` (learned sigma, PixArt):
-    the first half is the noise the guidance map is made of."""
-    if sample is None or out is None or len(sample) != 4 or len(out) != 4:
-        return None
-    return int(sample[1]) if isinstance(sample[1], int) and out[1] == 2 * sample[1] else None

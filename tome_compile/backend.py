@@ -177,11 +177,13 @@ class ToMeBackend:
         compile_fn: CompilerFn,
         method: str,
         plan_state: str | None = None,
+        io: UNetIO | None = None,
     ) -> tuple[ToMeResult, Callable[..., Any]]:
-        # Rewrite a copy: Dynamo keeps using its own graph afterwards.
+        # Rewrite a copy: Dynamo keeps using its own graph afterwards. ``io`` (found on ``gm``) is
+        # valid for the copy: the same nodes in the same order.
         rewritten = fx.GraphModule(gm, copy.deepcopy(gm.graph))
         result = merge_self_attention(rewritten, self.config, oracle=self.oracle, method=method,
-                                      plan_state=plan_state)
+                                      plan_state=plan_state, io=io)
         mode = _fake_mode(example_inputs)
         device = _device_of(example_inputs)
         extra = [mode.from_tensor(s.zeros(device)) if mode is not None else s.zeros(device)
@@ -203,11 +205,14 @@ class ToMeBackend:
                           "or leave dynamic unset (one more compile at the second step, then none)")
 
     def _compile_static(self, gm: fx.GraphModule, example_inputs: Sequence[Any], compile_fn: CompilerFn,
-                        io: UNetIO) -> Callable[..., Any]:
+                        io: UNetIO, found_on_gm: bool = True) -> Callable[..., Any]:
+        """``io``: the call's inputs and output (the runner reads them); the pass reuses it when it
+        was ``found_on_gm`` (not on the symbolic graph ``gm`` was specialised from)."""
         self._note_baked_timestep(io)
+        graph_io = io if found_on_gm else find_unet_io(gm)  # U-Net I/O: found once per graph
         # plan_every > 1: every planning graph also returns its plans; a third graph reuses them.
         keep = "make" if self.config.plan_every > 1 and not self.oracle else None
-        result, compiled = self._rewrite_and_compile(gm, example_inputs, compile_fn, "tome", keep)
+        result, compiled = self._rewrite_and_compile(gm, example_inputs, compile_fn, "tome", keep, graph_io)
         self.reports.append(result)
         logger.info("%s", result.summary())
         warn_if_nothing_rewritten(result, self.config)
@@ -221,7 +226,7 @@ class ToMeBackend:
             # Importance: a second graph whose plans read the guidance map; the tome graph above is
             # the fallback for calls without a map. Both are compiled now: no recompile mid-generation.
             result_imp, compiled_imp = self._rewrite_and_compile(gm, example_inputs, compile_fn, "importance",
-                                                                 keep)
+                                                                 keep, graph_io)
             if result_imp.method != "importance":
                 sample = example_inputs[io.sample_index]
                 samples = sample.shape[0] if isinstance(sample, torch.Tensor) else result_imp.batch
@@ -234,7 +239,7 @@ class ToMeBackend:
                 runner.layout = result_imp.guidance
         if keep and result.outputs:
             result_reuse, compiled_reuse = self._rewrite_and_compile(gm, example_inputs, compile_fn, "tome",
-                                                                     "reuse")
+                                                                     "reuse", graph_io)
             self.reports.append(result_reuse)
             runner.graphs["reuse"] = (compiled_reuse, result_reuse)
         return runner
@@ -367,7 +372,7 @@ class _Specializing:
         mode = _fake_mode_of(static)
         examples = [mode.from_tensor(a) if isinstance(a, torch.Tensor) and mode is not None else a
                     for a in args]
-        return self.backend._compile_static(static, examples, self.compile_fn, self.io)
+        return self.backend._compile_static(static, examples, self.compile_fn, self.io, found_on_gm=False)
 
 
 def _fake_mode_of(gm: fx.GraphModule) -> Any:
