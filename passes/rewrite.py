@@ -95,58 +95,18 @@ def _plan(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: BlockInputs)
                     h * w, h * w - r, io.slot_total, io.weight_total)
     choice = call(torch.narrow, io.partition, 0, io.cell_offset, cells) if io.partition is not None else None
     if io.method != "importance":
-        if io.reuse is not None:
-            return call(
-                _merge.plan_or_reuse,
-                io.reuse,
-                io.slots,
-                io.weights,
-                io.slot_offset,
-                io.weight_offset,
-                io.slot_total,
-                io.weight_total,
-                "tome",
-                plan.metric,
-                None,
-                None,
-                None,
-                choice,
-                h,
-                w,
-                config.sx,
-                config.sy,
-                r,
-                config.pool_factor,
-                config.dst_fraction,
-            )
-        return call(_merge.tome_plan, plan.metric, choice, h, w, config.sx, config.sy, r)
-    key = call(torch.narrow, io.dst_key, 1, io.key_offset, io.pool) if io.dst_key is not None else None
-    fitted = call(_merge.fit_importance, io.importance, h, w)
-    if io.reuse is not None:
+        method, map_args = "tome", (None, None, None)
+    else:
+        key = call(torch.narrow, io.dst_key, 1, io.key_offset, io.pool) if io.dst_key is not None else None
+        fitted = call(_merge.fit_importance, io.importance, h, w)
         method = "importance" if io.has_map is None else "importance_or_tome"
-        return call(
-            _merge.plan_or_reuse,
-            io.reuse,
-            io.slots,
-            io.weights,
-            io.slot_offset,
-            io.weight_offset,
-            io.slot_total,
-            io.weight_total,
-            method,
-            plan.metric,
-            io.has_map,
-            fitted,
-            key,
-            choice,
-            h,
-            w,
-            config.sx,
-            config.sy,
-            r,
-            config.pool_factor,
-            config.dst_fraction,
-        )
+        map_args = (io.has_map, fitted, key)
+    if io.reuse is not None:  # one call for every method: plan_or_reuse picks per call
+        return call(_merge.plan_or_reuse, io.reuse, io.slots, io.weights, io.slot_offset, io.weight_offset,
+                    io.slot_total, io.weight_total, method, plan.metric, *map_args, choice, h, w, config.sx,
+                    config.sy, r, config.pool_factor, config.dst_fraction)
+    if io.method != "importance":
+        return call(_merge.tome_plan, plan.metric, choice, h, w, config.sx, config.sy, r)
     if io.has_map is not None:
         return call(_merge.importance_or_tome_plan, plan.metric, io.has_map, fitted, key, choice, h, w,
                     config.sx, config.sy, r, config.pool_factor, config.dst_fraction)
