@@ -34,24 +34,25 @@ from typing import Any
 
 import numpy as np
 import torch
+from tome_compile.export import parity
 from tome_compile.export.inventory import InventoryReport, check_op_inventory
 from tome_compile.export.ort_optimizer import optimize_for_ort
-from tome_compile.passes import PLAN_SLOTS, PLAN_WEIGHTS, ToMeResult, find_unet_io, merge_self_attention
+from tome_compile.export.parity import default_providers
+from tome_compile.passes import ToMeResult, find_unet_io, merge_self_attention
 from tome_compile.passes.merge_self_attention import nothing_rewritten
 from tome_compile.passes.sites import node_shape as _sites_node_shape
 from torch import fx
 
 from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeExportError
-from tome_compile.inputs import draw_tome_inputs
 from tome_compile.models import example_inputs, is_dit, unet_input_names, video_layout
-from tome_compile.sampler import PartitionSampler
 
 __all__ = [
     "METADATA_KEY",
     "ExportResult",
     "check_opset",
     "check_output_path",
+    "default_providers",
     "export_onnx",
     "optimize_for_ort",
     "sweep_stale_partials",
@@ -61,7 +62,7 @@ logger = logging.getLogger("tome_compile.export")
 
 METADATA_KEY = "tome_compile"
 METADATA_VERSION = 2  # 2: the ToMe inputs are described by ToMeInputSpec.to_json() under "tome_inputs"
-OUTPUT_NAME = "out_sample"
+OUTPUT_NAME = parity.OUTPUT_NAME
 
 
 @dataclass
@@ -281,15 +282,14 @@ def _attention_count(unet: torch.nn.Module, gm: fx.GraphModule, passes: int, dea
 
 # The U-Net inputs with a batch axis (dynamic in the export); the timestep ([1]) and ToMe inputs
 # have none (plan_every's flat plan state grows with the batch: its one axis is dynamic too).
-PER_IMAGE_INPUTS = ("sample", "encoder_hidden_states", "text_embeds", "time_ids", "cond_lat", "noise")
-_FLAT_STATE = (PLAN_SLOTS, PLAN_WEIGHTS)
 
 
 def _dynamic_shapes(names: list[str], dynamic: bool) -> tuple[Any, ...] | None:
     if not dynamic:
         return None
     batch = torch.export.Dim.DYNAMIC
-    return tuple({0: batch} if name in PER_IMAGE_INPUTS + _FLAT_STATE else None for name in names)
+    per_image = parity.PER_IMAGE_INPUTS + parity.FLAT_STATE
+    return tuple({0: batch} if name in per_image else None for name in names)
 
 
 def _trace(unet: torch.nn.Module, args: tuple[torch.Tensor, ...], sdxl: bool, inputs: Any,
@@ -489,7 +489,7 @@ def export_onnx(
         raise ToMeExportError(f"{why} — nothing to export with ToMe (--ratio 0 exports the plain U-Net)")
     _assert_no_scatter_mean(gm)
     attentions = _attention_count(unet, gm, len(unet_io.passes), dead_attentions)
-    extra = _example_tome_inputs(result, seed)
+    extra = parity.example_tome_inputs(result, seed)
     input_names = names + result.input_names
 
     meta = {
@@ -555,18 +555,15 @@ def export_onnx(
                               inventory=inventory, seconds=times, optional_inputs=post["optional_inputs"],
                               fused_attention=post["fused_attention"])
 
-        references: dict[str, np.ndarray] = {}  # PyTorch outputs by check, reused for the optimised graph
+        tolerance = atol if atol is not None else (5e-2 if fp16 else 1e-3)
         if check_parity:
             step("checking parity: ONNX Runtime vs PyTorch (same inputs and partition)")
             start = time.perf_counter()
-            checks = _parity_checks(result, gm, args, extra, names, seed, traced if dynamic else None)
-            references.update(_references(gm, checks))  # before the session loads: see release_weights
+            checks = parity.parity_checks(result, gm, args, extra, names, seed, traced if dynamic else None)
+            references = parity.references(gm, checks)  # before the session loads: see release_weights
             if release_weights:
                 _release_weights(unet, gm)
-            session = _session(tmp_model)
-            for key, check_args, check_extra in checks:
-                _parity(export, session, gm, check_args, check_extra, fp16, atol, references, key=key)
-            del session
+            _compare(export, parity.session(tmp_model), checks, references, tolerance)
             gc.collect()
             times["parity"] = time.perf_counter() - start
         final = tmp_model
@@ -576,11 +573,8 @@ def export_onnx(
             final = tmp / "optimized" / out.name
             final.parent.mkdir()
             export.fusions = optimize_for_ort(tmp_model, final, optimize)
-            if check_parity and _can_run(optimize):
-                session = _session(final)
-                for key, check_args, check_extra in checks:  # every branch again, from the references
-                    _parity(export, session, gm, check_args, check_extra, fp16, atol, references, key=key)
-                del session
+            if check_parity and parity.can_run(optimize):  # every branch again, from the references
+                _compare(export, parity.session(final), checks, references, tolerance)
             elif check_parity:
                 logger.warning("parity of the CUDA-optimised graph needs the CUDA EP (its fused ops have no "
                                "CPU kernel); the unoptimised graph passed")
@@ -599,82 +593,6 @@ def export_onnx(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _example_tome_inputs(result: ToMeResult, seed: int, with_map: bool = True) -> list[torch.Tensor]:
-    """Values for the ToMe inputs used to trace and to check parity: a drawn partition, and for
-    importance a random map (the importance branch; ``with_map=False``: the fallback branch)."""
-    sampler = PartitionSampler(seed)
-    importance = None
-    spec = next((s for s in result.inputs if s.draw == "importance"), None)
-    if spec is not None and with_map:
-        importance = torch.rand(spec.shape, generator=torch.Generator().manual_seed(seed))
-    return draw_tome_inputs(result.inputs, sampler, importance, "cpu")
-
-
-def _can_run(provider: str) -> bool:
-    return provider == "cpu" or "CUDAExecutionProvider" in default_providers()
-
-
-def _parity_checks(
-    result: ToMeResult,
-    gm: fx.GraphModule,
-    args: tuple[torch.Tensor, ...],
-    extra: list[torch.Tensor],
-    names: list[str],
-    seed: int,
-    traced: int | None,
-) -> list[tuple[str, tuple[torch.Tensor, ...], list[torch.Tensor]]]:
-    """The calls on which ONNX Runtime must equal PyTorch, ``(key, args, extra inputs)``: the traced
-    call; importance's fallback branch; plan_every's reusing branch (fed the plans PyTorch made);
-    with ``traced`` (a dynamic batch traced at that size) batch 1 from the same file."""
-    checks = [("traced", tuple(args), list(extra))]
-    if any(spec.draw == "has_map" for spec in result.inputs):
-        checks.append(("no map", tuple(args), _example_tome_inputs(result, seed, with_map=False)))
-    if result.outputs:
-        with torch.no_grad():
-            made = gm(*args, *extra)
-        checks.append(
-            (
-                "reused plans",
-                tuple(args),
-                draw_tome_inputs(
-                    result.inputs, PartitionSampler(seed), None, "cpu", plans=(made[1], made[2])
-                ),
-            )
-        )
-    if traced is not None:
-        one = tuple(a[:1] if name in PER_IMAGE_INPUTS else a for name, a in zip(names, args, strict=True))
-        one_extra = [e[: e.numel() // traced] if spec.name in _FLAT_STATE else e
-                     for spec, e in zip(result.inputs, extra, strict=True)]  # one image's share of the plans
-        checks.append(("batch 1", one, one_extra))
-    return checks
-
-
-def default_providers() -> list[str]:
-    """CUDA EP (falling back to CPU) where onnxruntime has it, else CPU."""
-    import onnxruntime as ort
-
-    if "CUDAExecutionProvider" in ort.get_available_providers():
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
-
-
-def _session(path: Path) -> Any:
-    import onnxruntime as ort
-
-    return ort.InferenceSession(str(path), providers=default_providers())
-
-
-def _references(gm: fx.GraphModule, checks: list[tuple[str, tuple[torch.Tensor, ...], list[torch.Tensor]]]
-                ) -> dict[str, np.ndarray]:
-    """The PyTorch output of every parity check, float32 NumPy by key."""
-    out = {}
-    with torch.no_grad():
-        for key, args, extra in checks:
-            value = gm(*args, *extra)
-            out[key] = (value[0] if isinstance(value, (tuple, list)) else value).float().cpu().numpy()
-    return out
-
-
 def _release_weights(*modules: torch.nn.Module) -> None:
     """Free the weights of ``modules`` (every parameter and buffer becomes an empty tensor): the
     PyTorch model and the ORT session are then never resident together."""
@@ -684,32 +602,12 @@ def _release_weights(*modules: torch.nn.Module) -> None:
     gc.collect()
 
 
-def _parity(export: ExportResult, session: Any, gm: fx.GraphModule, args: tuple[torch.Tensor, ...],
-            extra: list[torch.Tensor], fp16: bool, atol: float | None, references: dict[str, np.ndarray],
-            key: str = "traced") -> None:
-    """ORT vs PyTorch on the same inputs; the PyTorch output is kept under ``key`` (the optimised
-    graph is checked against the same reference without running the model again)."""
-    feed = {
-        name: t.detach().cpu().numpy()
-        for name, t in zip(export.input_names, tuple(args) + tuple(extra), strict=True)
-    }
-    got = session.run([OUTPUT_NAME], feed)[0].astype(np.float32)
-    if key not in references:
-        with torch.no_grad():
-            out = gm(*args, *extra)
-        references[key] = (out[0] if isinstance(out, (tuple, list)) else out).float().cpu().numpy()
-    ref = references[key]
-    diff = np.abs(got - ref)
-    # several checks (both importance branches, another batch): the report keeps the worst
-    export.parity_max_abs = max(float(diff.max()), export.parity_max_abs or 0.0)
-    export.parity_max_rel = max(float(diff.max() / max(float(np.abs(ref).max()), 1e-12)),
-                                export.parity_max_rel or 0.0)
-    export.parity_provider = session.get_providers()[0]
-    # Scale-aware: at 16k tokens, similarity scores that are nearly tied can rank differently
-    # under ORT's and torch's matmul rounding, so a few tokens merge differently (a local 1e-3).
-    tol = atol if atol is not None else (5e-2 if fp16 else 1e-3)
-    limit = tol * max(1.0, float(np.abs(ref).max()))
-    if not np.isfinite(diff).all() or export.parity_max_abs > limit:
-        raise ToMeExportError(f"parity check failed: ONNX Runtime ({export.parity_provider}) vs PyTorch "
-                              f"max abs {export.parity_max_abs:.3g} > {limit:.3g} "
-                              f"({tol:g} x max(1, max |output|))")
+def _compare(export: ExportResult, session: Any, checks: list[parity.ParityCheck],
+             references: dict[str, np.ndarray], tolerance: float) -> None:
+    """ORT vs the PyTorch references on every check; the worst difference goes on ``export``."""
+    report = parity.ParityReport(export.parity_max_abs or 0.0, export.parity_max_rel or 0.0)
+    try:
+        parity.compare(report, session, export.input_names, checks, references, tolerance)
+    finally:
+        export.parity_max_abs, export.parity_max_rel = report.max_abs, report.max_rel
+        export.parity_provider = report.provider

@@ -228,6 +228,32 @@ def test_fp16_export_runs_on_the_cpu_ep(tmp_path, unet, exported):
     assert np.abs(half.astype(np.float32) - full).max() < 2e-2 * max(1.0, float(np.abs(full).max()))
 
 
+def test_fp16_references_compute_products_in_fp32(unet):
+    """Issue #20: the fp16 parity reference ran PyTorch's scalar fp16 CPU kernels (the README's SDXL
+    check at 1024² ran for hours). Convolutions and matrix products now compute in fp32 on the fp16
+    values and round back (as ORT's CPU EP runs an fp16 graph); everything else stays fp16."""
+    from tome_compile.export.parity import Fp32Compute
+
+    half = copy.deepcopy(unet).half()
+    inputs = tiny_inputs(unet, batch=2)
+    args = (inputs.sample.half(), inputs.timestep, inputs.encoder_hidden_states.half())
+    with torch.no_grad():
+        plain = half(*args, return_dict=False)[0]
+        with Fp32Compute() as mode:
+            fast = half(*args, return_dict=False)[0]
+        # what it emulates: the same fp16 weights and inputs, each product in fp32, rounded to fp16
+        to_k = half.down_blocks[0].attentions[0].transformer_blocks[0].attn2.to_k
+        x = args[2][0, :3].float() @ to_k.weight.float().t()
+        with Fp32Compute():
+            y = to_k(args[2][0, :3])
+    assert fast.dtype == torch.float16 and mode.upcast >= 33 + 50  # every conv2d and linear of the tiny U-Net
+    assert torch.equal(y, x.half())
+    assert (fast.float() - plain.float()).abs().max() < 1e-2 * max(1.0, plain.float().abs().max().item())
+    with torch.no_grad(), Fp32Compute() as mode:  # negative case: fp32 values are left alone, bit for bit
+        full = unet(inputs.sample, inputs.timestep, inputs.encoder_hidden_states, return_dict=False)[0]
+    assert mode.upcast == 0 and torch.equal(full, call(unet, inputs))
+
+
 def test_no_rand_export_equals_tomesd_at_any_batch(tmp_path, unet):
     # release_weights (what tome-export sets): the PyTorch references are computed first, then the
     # weights freed, so the model and the ORT session are never resident together
