@@ -42,9 +42,9 @@ def test_bench_refuses_tomesd_where_it_does_not_run(capsys, monkeypatch):
 
 
 def test_memory_bench_measures_in_fresh_processes(tmp_path):
-    """bench_memory: a tome-export run in a subprocess with its stages clocked, and one ONNX Runtime
+    """benchmarks.memory: a tome-export run in a subprocess with its stages clocked, and one ONNX Runtime
     call per file in a fresh process (a failing export reported, not hidden)."""
-    from tome_compile.export.bench_memory import measure_call, measure_export
+    from tome_compile.benchmarks.memory import measure_call, measure_export
 
     folder = tmp_path / "tiny"
     tiny_unet("sd15").save_pretrained(folder)

@@ -1,7 +1,7 @@
 """ONNX Runtime benchmark: the optimised plain model vs ToMe vs the oracle, side by side.
 
-    python -m tome_compile.export.bench_ort      # SD 1.5 architecture, 512² batch 2 and 1024² batch 1, CPU EP
-    python -m tome_compile.export.bench_ort --sizes 512 --batches 2 --workdir /tmp/ort-bench
+    python -m tome_compile.benchmarks.ort      # SD 1.5 architecture, 512² batch 2 and 1024² batch 1, CPU EP
+    python -m tome_compile.benchmarks.ort --sizes 512 --batches 2 --workdir /tmp/ort-bench
 
 The baseline is what an ONNX Runtime user deploys today: the same U-Net exported with every
 attention a fused ``com.microsoft.MultiHeadAttention`` (ratio 0 through the same exporter) and
@@ -52,7 +52,7 @@ class _SessionPool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tome_compile.export.bench_ort", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tome_compile.benchmarks.ort", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="sd15")
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024])
@@ -86,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import onnxruntime as ort
     import torch
-    from tome_compile.export import export_onnx
     from tqdm import tqdm
 
     from tome_compile.bench import PeakMemory, variant_options
     from tome_compile.config import ToMeConfig
     from tome_compile.errors import ToMeError
+    from tome_compile.export import export_onnx
     from tome_compile.models import example_inputs, load_unet
 
     variants: dict[str, tuple[Any, bool]] = {}

@@ -2,9 +2,9 @@
 models reuses freed memory without growing, and measures nothing).
 
     # peak resident memory and wall time per stage of a tome-export run
-    python -m tome_compile.export.bench_memory export -- sd15.onnx --model sd15 --optimize cpu
+    python -m tome_compile.benchmarks.memory export -- sd15.onnx --model sd15 --optimize cpu
     # peak memory of one ONNX Runtime call above the session's resting level, per file
-    python -m tome_compile.export.bench_memory call plain.onnx tome.onnx --batch 2 --rounds 3
+    python -m tome_compile.benchmarks.memory call plain.onnx tome.onnx --batch 2 --rounds 3
 
 ``call`` runs every file in its own subprocess with ORT's CPU memory arena off and glibc told to
 return large frees to the system (``MALLOC_MMAP_THRESHOLD_=65536``), so resident memory follows
@@ -79,13 +79,14 @@ def _inputs(session: Any, batch: int, seed: int) -> dict[str, np.ndarray]:
         dtype = np.float16 if "float16" in spec.type else np.float32
         out[name] = g.standard_normal(shape).astype(dtype)
     if "time_ids" in out:
-        h, w = session.meta.get("height", 1024), session.meta.get("width", 1024)
+        h, w = session.meta.height or 1024, session.meta.width or 1024
         out["time_ids"] = np.array([[h, w, 0, 0, h, w]] * batch, dtype=out["time_ids"].dtype)
     return out
 
 
 def _child(path: str, batch: int, rounds: int, seed: int) -> dict[str, Any]:
     import onnxruntime as ort
+
     from tome_compile.export import ToMeSession
 
     options = ort.SessionOptions()
@@ -123,7 +124,7 @@ def _child(path: str, batch: int, rounds: int, seed: int) -> dict[str, Any]:
 def measure_call(path: str | Path, batch: int, rounds: int = 3, seed: int = 0) -> dict[str, Any]:
     """``_child`` in a fresh interpreter (arena off, large frees returned): one file's call memory."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-    code = ("import json, sys; from tome_compile.export.bench_memory import _child; "
+    code = ("import json, sys; from tome_compile.benchmarks.memory import _child; "
             f"print('RESULT ' + json.dumps(_child({str(path)!r}, {batch}, {rounds}, {seed})))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -195,7 +196,7 @@ def measure_export(argv: list[str]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tome_compile.export.bench_memory", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tome_compile.benchmarks.memory", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="peak RSS and wall time per stage of tome-export ARGS (after --)")

@@ -1,6 +1,6 @@
 """GPU check: export, run on ONNX Runtime's CUDA EP, check parity, time baseline vs ToMe.
 
-    python -m tome_compile.export.gpu_check --out /tmp/gpu-check      # needs CUDA + onnxruntime-gpu
+    python -m tome_compile.benchmarks.gpu_check --out /tmp/gpu-check      # needs CUDA + onnxruntime-gpu
 
 For fp32 and fp16: exports the SD 1.5 architecture (random weights) at 512² batch 2 twice —
 ratio 0 (baseline) and ToMe at ``--ratio`` (``--partition-input``, so the partition is the one
@@ -25,7 +25,7 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tome_compile.export.gpu_check", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tome_compile.benchmarks.gpu_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu-check", help="folder for the exported models")
     parser.add_argument("--model", default="sd15")
@@ -44,9 +44,8 @@ def main(argv: list[str] | None = None) -> int:
               f"torch.cuda={torch.cuda.is_available()}, providers={ort.get_available_providers()}",
               file=sys.stderr)
         return 2
-    from tome_compile.export import ToMeSession, export_onnx
-
     from tome_compile.config import ToMeConfig
+    from tome_compile.export import ToMeSession, export_onnx
     from tome_compile.models import example_inputs, load_unet
 
     out = Path(args.out)
