@@ -4,7 +4,14 @@
 from __future__ import annotations
 
 from tome_compile.export.inventory import InventoryReport, check_op_inventory
-from tome_compile.export.onnx_export import ExportResult, export_onnx
+from tome_compile.export.onnx_export import ExportOptions, ExportResult, export_onnx
 from tome_compile.export.session import ToMeSession
 
-__all__ = ["ExportResult", "InventoryReport", "ToMeSession", "check_op_inventory", "export_onnx"]
+__all__ = [
+    "ExportOptions",
+    "ExportResult",
+    "InventoryReport",
+    "ToMeSession",
+    "check_op_inventory",
+    "export_onnx",
+]

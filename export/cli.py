@@ -10,6 +10,7 @@ import sys
 import threading
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,6 +37,13 @@ EPILOG = """examples:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tome-export", description=__doc__, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_arguments(p.add_argument_group("model and inputs (what is exported, at which size)"))
+    _tome_arguments(p.add_argument_group("token merging (tomesd's names)"))
+    _onnx_arguments(p.add_argument_group("ONNX file and checks"))
+    return p
+
+
+def _model_arguments(p: argparse._ArgumentGroup) -> None:
     p.add_argument("out", nargs="?", help="output .onnx path (weights go to OUT.data beside it)")
     p.add_argument(
         "--model",
@@ -51,9 +59,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--frames", type=int, default=None,
                    help="video U-Nets (AnimateDiff, SVD): frames per video (default 16 / 25)")
-    p.add_argument("--blocks", default=None, metavar="LIST",
-                   help="only these transformer blocks, e.g. 7-20 (PixArt: the released importance code's)")
-    p.add_argument("--pool-factor", type=float, default=1.4, help="importance: pool size factor (PixArt: 1)")
     p.add_argument("--height", type=int, default=512, help="image height in pixels (multiple of 8)")
     p.add_argument("--width", type=int, default=512, help="image width in pixels (multiple of 8)")
     p.add_argument("--batch", type=int, default=2,
@@ -62,26 +67,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seq-len", type=int, default=77, help="text tokens in encoder_hidden_states (default 77)"
     )
+
+
+def _tome_arguments(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--ratio", type=float, default=0.5, help="share of tokens merged (default 0.5)")
     p.add_argument("--max-downsample", type=int, default=1, help="1, 2, 4 or 8 (use 2 for SDXL)")
     p.add_argument("--sx", type=int, default=2)
     p.add_argument("--sy", type=int, default=2)
     p.add_argument("--no-rand", action="store_true", help="fixed destinations (tomesd's use_rand=False)")
-    p.add_argument("--partition-input", action="store_true",
-                   help="take the random destinations as a tome_partition input drawn by the caller "
-                        "(ToMeSession; bit-exact with tome_backend(seed=)) instead of hashing them in the "
-                        "graph from the timestep and the optional tome_seed input (default)")
-    p.add_argument("--portable", action="store_true",
-                   help="plain ONNX attention (MatMul/Softmax) instead of com.microsoft.MultiHeadAttention, "
-                        "for runtimes without ONNX Runtime's contrib ops")
-    p.add_argument("--static-batch", action="store_true",
-                   help="fix the batch to --batch (default: any batch from one file)")
-    p.add_argument("--optimize", choices=["cpu", "cuda"], default=None,
-                   help="run ONNX Runtime's transformer optimizer (model_type=unet) for that provider "
-                        "and check parity again")
-    p.add_argument("--into", metavar="DIR", default=None,
-                   help="replace DIR/unet/model.onnx of an Optimum ONNX Stable Diffusion folder "
-                        "(OUT is then omitted; --model must give the U-Net's weights)")
     p.add_argument("--merge-crossattn", action="store_true")
     p.add_argument("--merge-mlp", action="store_true")
     p.add_argument("--share-plan", action="store_true",
@@ -95,6 +88,27 @@ def _parser() -> argparse.ArgumentParser:
                    help="importance: which rows of the batch are one image's: cfg [uncond; cond], pix2pix "
                         "[text; image; uncond], pag [uncond; cond; perturbed] (default auto: cfg for an "
                         "even batch not a multiple of 6)")
+    p.add_argument("--pool-factor", type=float, default=1.4, help="importance: pool size factor (PixArt: 1)")
+    p.add_argument("--blocks", default=None, metavar="LIST",
+                   help="only these transformer blocks, e.g. 7-20 (PixArt: the released importance code's)")
+
+
+def _onnx_arguments(p: argparse._ArgumentGroup) -> None:
+    p.add_argument("--into", metavar="DIR", default=None,
+                   help="replace DIR/unet/model.onnx of an Optimum ONNX Stable Diffusion folder "
+                        "(OUT is then omitted; --model must give the U-Net's weights)")
+    p.add_argument("--partition-input", action="store_true",
+                   help="take the random destinations as a tome_partition input drawn by the caller "
+                        "(ToMeSession; bit-exact with tome_backend(seed=)) instead of hashing them in the "
+                        "graph from the timestep and the optional tome_seed input (default)")
+    p.add_argument("--portable", action="store_true",
+                   help="plain ONNX attention (MatMul/Softmax) instead of com.microsoft.MultiHeadAttention, "
+                        "for runtimes without ONNX Runtime's contrib ops")
+    p.add_argument("--static-batch", action="store_true",
+                   help="fix the batch to --batch (default: any batch from one file)")
+    p.add_argument("--optimize", choices=["cpu", "cuda"], default=None,
+                   help="run ONNX Runtime's transformer optimizer (model_type=unet) for that provider "
+                        "and check parity again")
     p.add_argument(
         "--opset", type=int, default=20, help="ONNX opset 18..23 (default 20; 23 has no CUDA group norm)"
     )
@@ -110,7 +124,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     p.add_argument("-v", "--verbose", action="store_true")
-    return p
 
 
 class _UsageError(ToMeError):
@@ -131,13 +144,26 @@ class _Terminated(BaseException):
 _interrupted: list[str] = []
 
 
+# True while the ONNX conversion runs: a signal then only sets the flag, and the export stops at
+# the next stage. An exception raised inside torch.onnx.export is caught by its capture strategies
+# anyway, and one raised while its graph capture holds torch's dispatch state crashed the process
+# (SIGSEGV in CI-like SIGTERM runs instead of a clean exit 143).
+_deferred = [False]
+
+
 def _on_sigterm(signum: int, frame: object) -> None:
     _interrupted.append("SIGTERM")
+    if _deferred[0]:
+        print("tome-export: SIGTERM: stopping after the ONNX conversion", file=sys.stderr, flush=True)
+        return
     raise _Terminated
 
 
 def _on_sigint(signum: int, frame: object) -> None:
     _interrupted.append("interrupted")
+    if _deferred[0]:
+        print("tome-export: interrupted: stopping after the ONNX conversion", file=sys.stderr, flush=True)
+        return
     raise KeyboardInterrupt
 
 
@@ -156,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings("ignore", category=DeprecationWarning)
     main_thread = threading.current_thread() is threading.main_thread()
     _interrupted.clear()
+    _deferred[0] = False
     previous = ((signal.signal(signal.SIGTERM, _on_sigterm), signal.signal(signal.SIGINT, _on_sigint))
                 if main_thread else None)
     try:
@@ -168,17 +195,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tome-export: {name}: stopped; nothing was written", file=sys.stderr)
         return 143 if isinstance(e, _Terminated) else 130
     finally:
+        _deferred[0] = False
         if previous is not None:
             signal.signal(signal.SIGTERM, previous[0])
             signal.signal(signal.SIGINT, previous[1])
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tome_compile.export.onnx_export import check_opset, export_onnx
-    from tome_compile.export.optimum import check_into_config, remove_stale_external_data
-    from tqdm import tqdm
+    _check_sizes(args)
+    out, replaced = _destination(args)
+    config = _config(args)
+    multiview = _check_model(args)
+    result = _export(args, out, config, _options(args), multiview)
+    _print_report(args, result, replaced)
+    return 0
 
-    from tome_compile.models import ARCHITECTURES, SHAPES, load_unet
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    from tome_compile.export.onnx_export import check_opset
 
     for name in ("height", "width"):
         value = getattr(args, name)
@@ -191,12 +225,20 @@ def _run(args: argparse.Namespace) -> int:
         raise _UsageError(f"--seq-len {args.seq_len} must be >= 1 (text tokens; 77 for CLIP)")
     if args.opset is not None:
         check_opset(args.opset)
-    out, replaced = _destination(args)
-    config = ToMeConfig(ratio=args.ratio, max_downsample=args.max_downsample, sx=args.sx, sy=args.sy,
-                        use_rand=not args.no_rand, merge_crossattn=args.merge_crossattn,
-                        merge_mlp=args.merge_mlp, method=args.method, seed=0, share_plan=args.share_plan,
-                        plan_every=args.plan_every, pool_factor=args.pool_factor, guidance=args.guidance,
-                        blocks=parse_blocks(args.blocks) if args.blocks is not None else None)
+
+
+def _config(args: argparse.Namespace) -> ToMeConfig:
+    return ToMeConfig(ratio=args.ratio, max_downsample=args.max_downsample, sx=args.sx, sy=args.sy,
+                      use_rand=not args.no_rand, merge_crossattn=args.merge_crossattn,
+                      merge_mlp=args.merge_mlp, method=args.method, seed=0, share_plan=args.share_plan,
+                      plan_every=args.plan_every, pool_factor=args.pool_factor, guidance=args.guidance,
+                      blocks=parse_blocks(args.blocks) if args.blocks is not None else None)
+
+
+def _check_model(args: argparse.Namespace) -> bool:
+    """The model and the multi-view options; returns whether the export is multi-view."""
+    from tome_compile.models import ARCHITECTURES, SHAPES
+
     if args.frames is not None and not 1 <= args.frames <= 128:
         raise _UsageError(f"--frames {args.frames} is outside [1, 128] (AnimateDiff: 16, SVD: 14 or 25)")
     known = (*ARCHITECTURES, SHAPES, "zero123")
@@ -219,12 +261,40 @@ def _run(args: argparse.Namespace) -> int:
             f"--multiview wraps a local Zero123++ U-Net or pipeline folder (or use --model zero123), "
             f"not --model {args.model}"
         )
+    return multiview
 
-    steps = (
-        ["load", "trace", "rewrite", "convert", "inventory", "parity"]
-        + (["optimize"] if args.optimize else [])
-        + ["write"]
+
+def _options(args: argparse.Namespace) -> Any:
+    from tome_compile.export.onnx_export import ExportOptions
+
+    return ExportOptions(
+        batch=args.batch,
+        height=args.height,
+        width=args.width,
+        seq_len=args.seq_len,
+        opset=args.opset,
+        fp16=args.fp16,
+        force=args.force or bool(args.into),
+        atol=args.atol,
+        require_cuda_kernels=not args.no_cuda_check,
+        portable=args.portable,
+        partition_input=args.partition_input,
+        dynamic_batch=not args.static_batch,
+        optimize=args.optimize,
+        frames=args.frames,
+        release_weights=True,
     )
+
+
+def _export(args: argparse.Namespace, out: Path, config: ToMeConfig, options: Any, multiview: bool) -> Any:
+    """Load the model and export it, with a progress bar over the export's stages."""
+    from tome_compile.export.onnx_export import export_onnx
+    from tome_compile.export.optimum import check_into_config
+    from tqdm import tqdm
+
+    from tome_compile.models import load_unet
+
+    steps = ["load", *options.stages()]
     with tqdm(total=len(steps), desc="tome-export", unit="step", file=sys.stderr) as bar:
         bar.set_postfix_str("loading the U-Net")
         _stages.info("loading the U-Net")
@@ -240,6 +310,7 @@ def _run(args: argparse.Namespace) -> int:
 
         def step(message: str) -> None:
             _check_interrupted()
+            _deferred[0] = message.startswith("converting to ONNX")
             _stages.info("%s", message)
             bar.set_postfix_str(message)
             bar.update(1) if bar.n < bar.total - 1 else None
@@ -247,28 +318,14 @@ def _run(args: argparse.Namespace) -> int:
         with torch.no_grad():
             if args.into:
                 check_into_config(Path(args.into), unet)
-            result = export_onnx(
-                unet,
-                out,
-                config,
-                batch=args.batch,
-                height=args.height,
-                width=args.width,
-                seq_len=args.seq_len,
-                opset=args.opset,
-                fp16=args.fp16,
-                force=args.force or bool(args.into),
-                atol=args.atol,
-                require_cuda_kernels=not args.no_cuda_check,
-                step=step,
-                portable=args.portable,
-                partition_input=args.partition_input,
-                dynamic_batch=not args.static_batch,
-                optimize=args.optimize,
-                frames=args.frames,
-                release_weights=True,
-            )
+            result = export_onnx(unet, out, config, options, step=step)
         bar.update(bar.total - bar.n)
+    return result
+
+
+def _print_report(args: argparse.Namespace, result: Any, replaced: list[Path]) -> None:
+    from tome_compile.export.optimum import remove_stale_external_data
+
     print(result.report.summary())
     inv = result.inventory
     print(f"ops (opset {inv.opset}): {sum(inv.op_counts.values())} nodes, {len(inv.op_counts)} op types; "
@@ -290,7 +347,6 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote {f} ({f.stat().st_size / 2**20:.1f} MiB)")
     for f in remove_stale_external_data(replaced, result.files):
         print(f"removed {f} (the replaced U-Net's weights)")
-    return 0
 
 
 def _destination(args: argparse.Namespace) -> tuple[Path, list[Path]]:

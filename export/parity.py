@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tome_compile.passes import PLAN_SLOTS, PLAN_WEIGHTS, ToMeResult
+from tome_compile.passes import ToMeResult
 from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -27,7 +27,6 @@ from tome_compile.inputs import draw_tome_inputs
 from tome_compile.sampler import PartitionSampler
 
 __all__ = [
-    "FLAT_STATE",
     "OUTPUT_NAME",
     "PER_IMAGE_INPUTS",
     "Fp32Compute",
@@ -35,6 +34,7 @@ __all__ = [
     "ParityReport",
     "can_run",
     "compare",
+    "cpu_fp16_options",
     "default_providers",
     "example_tome_inputs",
     "parity_checks",
@@ -44,7 +44,6 @@ __all__ = [
 
 OUTPUT_NAME = "out_sample"
 PER_IMAGE_INPUTS = ("sample", "encoder_hidden_states", "text_embeds", "time_ids", "cond_lat", "noise")
-FLAT_STATE = (PLAN_SLOTS, PLAN_WEIGHTS)  # plan_every's fed-back plans: batch-major, flattened
 
 _aten = torch.ops.aten
 _PRODUCTS = frozenset({_aten.convolution.default, _aten.addmm.default, _aten.mm.default, _aten.bmm.default,
@@ -110,10 +109,16 @@ def parity_checks(result: ToMeResult, gm: fx.GraphModule, args: tuple[torch.Tens
         checks.append(ParityCheck("reused plans", tuple(args), tuple(fed)))
     if traced is not None:
         one = tuple(a[:1] if name in PER_IMAGE_INPUTS else a for name, a in zip(names, args, strict=True))
-        one_extra = tuple(e[: e.numel() // traced] if spec.name in FLAT_STATE else e  # one image's plans
+        one_extra = tuple(_one_image(e, spec.batch_axis, traced)
                           for spec, e in zip(result.inputs, extra, strict=True))
         checks.append(ParityCheck("batch 1", one, one_extra))
     return checks
+
+
+def _one_image(value: torch.Tensor, axis: int | None, batch: int) -> torch.Tensor:
+    """One image's share of a ToMe input traced at ``batch`` (its spec's batch axis; plan state is
+    batch-major)."""
+    return value if axis is None else value.narrow(axis, 0, value.shape[axis] // batch)
 
 
 def references(gm: fx.GraphModule, checks: list[ParityCheck]) -> dict[str, np.ndarray]:
@@ -141,10 +146,28 @@ def can_run(provider: str) -> bool:
     return provider == "cpu" or "CUDAExecutionProvider" in default_providers()
 
 
-def session(path: Path) -> Any:
+def session(path: Path, fp16: bool = False) -> Any:
+    """An ONNX Runtime session for the check (:func:`cpu_fp16_options` for an fp16 file on the CPU)."""
     import onnxruntime as ort
 
-    return ort.InferenceSession(str(path), providers=default_providers())
+    providers = default_providers()
+    options = cpu_fp16_options() if fp16 and providers[0] == "CPUExecutionProvider" else None
+    return ort.InferenceSession(str(path), sess_options=options, providers=providers)
+
+
+def cpu_fp16_options() -> Any:
+    """Session options that keep an fp16 file's weights fp16 on the CPU EP. That EP has no fp16
+    kernels for convolutions and matrix products: at its default level it stores a float32 copy of
+    every such weight when the session loads (fp16 SD 1.5: 5.9 GB peak for 1.7 GB of weights; the
+    README's SDXL check peaked at 20.9 GB, 4.1x its 5.1 GB), and with fewer optimisations it runs
+    every weight's cast first. Basic optimisations with priority-based order cast each weight when
+    its op runs: SD 1.5 fp16 peak 3.1 GB (1.8x), the call ~20% slower."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    return options
 
 
 @dataclass

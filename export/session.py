@@ -12,7 +12,6 @@ returns torch tensors on the caller's device.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,12 +20,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from tome_compile.export.onnx_export import METADATA_KEY, METADATA_VERSION, default_providers
+from tome_compile.export.metadata import ExportMetadata
+from tome_compile.export.parity import default_providers
 from tome_compile.passes import SEED_INPUT
 
 from tome_compile.errors import ToMeExportError
 from tome_compile.guidance import GUIDANCE, random_destinations
-from tome_compile.inputs import ToMeInputSpec
 from tome_compile.state import CallDriver, CallState, check_seed
 
 __all__ = ["ToMeSession"]
@@ -104,18 +103,15 @@ class ToMeSession:
         if not path.is_file():
             raise ToMeExportError(f"no ONNX model at {str(path)!r}")
         model = onnx.load(str(path), load_external_data=False)
-        meta = {p.key: p.value for p in model.metadata_props}.get(METADATA_KEY)
-        self.meta: dict[str, Any] = json.loads(meta) if meta else {}
-        if self.meta and self.meta.get("version") != METADATA_VERSION:
-            raise ToMeExportError(f"{str(path)!r} was written by another tome-compile version (metadata "
-                                  f"version {self.meta.get('version')}, this one reads {METADATA_VERSION}); "
-                                  "export it again with this tome-export")
-        self.specs = [ToMeInputSpec.from_json(d) for d in self.meta.get("tome_inputs", [])]
+        found = ExportMetadata.of_model(model, repr(str(path)))
+        self.exported = found is not None  # written by tome-export (a plain Optimum U-Net is not)
+        self.meta = found or ExportMetadata()
+        self.specs = list(self.meta.tome_inputs)
         self._uses_map = any(spec.draw == "importance" for spec in self.specs)
-        self.guidance = GUIDANCE.get(self.meta.get("guidance") or "cfg") if self._uses_map else None
+        self.guidance = GUIDANCE.get(self.meta.guidance or "cfg") if self._uses_map else None
         # plan_every exports return their plans as extra outputs; later calls feed them back
-        self._keeps_plans = bool(self.meta.get("tome_outputs"))
-        self.plan_every = int(self.meta.get("plan_every", 1))
+        self._keeps_plans = bool(self.meta.tome_outputs)
+        self.plan_every = int(self.meta.plan_every)
         if providers is None:
             providers = default_providers()
         self.session = ort.InferenceSession(str(path), sess_options=session_options,
@@ -130,8 +126,8 @@ class ToMeSession:
         self.seed = seed
         self._said: set[str] = set()
         self.driver = CallDriver(seed=seed, plan_every=self.plan_every, say=self._say_once)
-        self.config = SimpleNamespace(**self.meta.get("unet_config", {}))
-        self.dtype = torch.float16 if self.meta.get("dtype") == "float16" else torch.float32
+        self.config = SimpleNamespace(**self.meta.unet_config)
+        self.dtype = torch.float16 if self.meta.dtype == "float16" else torch.float32
         self.device = torch.device("cpu")
         self.io_binding = self.provider == "CUDAExecutionProvider" if io_binding is None else io_binding
 
@@ -280,7 +276,7 @@ class ToMeSession:
         out = {}
         for key, value in kwargs.items():
             if key == "is_cfg_guidance":
-                exported = bool(self.meta.get("multiview", {}).get("is_cfg_guidance", False))
+                exported = bool((self.meta.multiview or {}).get("is_cfg_guidance", False))
                 if bool(value) != exported:
                     raise ToMeExportError(
                         f"cross_attention_kwargs['is_cfg_guidance']={bool(value)}, but this "
@@ -344,8 +340,8 @@ class ToMeSession:
         device = sample.device if isinstance(sample, torch.Tensor) else torch.device("cpu")
         result, extras = self._run(feed, device)
         plans = (extras[0], extras[1]) if self._keeps_plans else None
-        self.driver.finish(call, result, plans, int(self.meta.get("channel_axis", 1)),
-                           self.meta.get("noise_channels"))
+        self.driver.finish(call, result, plans, int(self.meta.channel_axis),
+                           self.meta.noise_channels)
         if isinstance(sample, np.ndarray):  # diffusers' ONNX pipelines: NumPy in, a list of arrays out
             return [result.numpy()]
         return _Output(sample=result) if return_dict else (result,)

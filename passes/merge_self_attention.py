@@ -61,7 +61,6 @@ SEED_INPUT = "tome_seed"
 PLAN_SLOTS = "tome_plan_slots"
 PLAN_WEIGHTS = "tome_plan_weights"
 REUSE_INPUT = "tome_reuse_plan"
-OUTPUT_SUFFIX = "_out"
 # How a graph handles plan state: None (no state, tomesd), "make" (plan every block, return the
 # plans as extra outputs), "reuse" (take every plan from the inputs, no matching at all), "either"
 # (one graph for both: a tome_reuse_plan input picks per call, the plans used are returned).
@@ -187,41 +186,75 @@ def _rewrite_all(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig,
                  ) -> tuple[list[ToMeInputSpec], list[ToMeInputSpec]]:
     """Append the inputs the plans read, rewrite every block, append the plan-state outputs, lint;
     returns the input and output specs."""
-    graph, specs = gm.graph, []
+    layout = _layout(plans, config, mode)
+    specs, nodes, state_specs = _add_plan_inputs(gm, plans, config, mode, latent, batch, layout)
+    made = _rewrite_blocks(gm.graph, plans, config, mode, layout, nodes)
+    outputs: list[ToMeInputSpec] = []
+    if mode.plan_state in ("make", "either"):
+        outputs = [dataclasses.replace(spec, name=spec.fed_from) for spec in state_specs]
+        _append_outputs(gm.graph, [n for i in layout.own for n in (made[i] or ())], outputs)
+    gm.graph.lint()
+    gm.recompile()
+    return specs, outputs
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each block's plan comes from and what it draws: ``makers[i]`` the block whose plan
+    block ``i`` uses, ``own`` the blocks that make one, ``cells`` / ``pools`` each block's share of
+    the drawn partition / importance keys."""
+
+    makers: list[int]
+    own: list[int]
+    cells: list[tuple[int, int]]
+    pools: list[int]
+    importance: bool
+
+
+def _layout(plans: list[BlockPlan], config: ToMeConfig, mode: _Mode) -> _Layout:
     makers = _plan_makers(plans, config)
-    state = mode.plan_state
-    reuse_only = state == "reuse"
+    reuse_only = mode.plan_state == "reuse"
     cells = [(p.grid[0] // config.sy, p.grid[1] // config.sx) if makers[i] == i and not reuse_only else (0, 0)
              for i, p in enumerate(plans)]
     importance = mode.method == "importance" and not reuse_only
     pools = [_merge.importance_pool_size(p.tokens, p.merged, config.pool_factor, config.dst_fraction)
              if importance and makers[i] == i else 0 for i, p in enumerate(plans)]
+    own = [i for i in range(len(plans)) if makers[i] == i]
+    return _Layout(makers=makers, own=own, cells=cells, pools=pools, importance=importance)
+
+
+def _add_plan_inputs(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig, mode: _Mode,
+                     latent: tuple[int, int] | None, batch: int | None, layout: _Layout
+                     ) -> tuple[list[ToMeInputSpec], dict[str, fx.Node], list[ToMeInputSpec]]:
+    """The graph inputs the plans read (and the in-graph hashing of the random ones): their specs,
+    their nodes by kind, and the plan-state specs."""
+    specs: list[ToMeInputSpec] = []
     nodes: dict[str, fx.Node] = {}
+    state, importance = mode.plan_state, layout.importance
 
     def add(spec: ToMeInputSpec) -> None:
         specs.append(spec)
-        nodes[spec.draw] = _add_input(graph, spec)
+        nodes[spec.draw] = _add_input(gm.graph, spec)
 
+    images = 0
     if importance:
-        assert latent is not None and batch is not None
-        assert mode.guidance is not None
+        assert latent is not None and batch is not None and mode.guidance is not None
         images = batch // mode.guidance.groups
         add(ToMeInputSpec(IMPORTANCE_INPUT, (images, *latent), torch.float32, "importance"))
         if mode.in_graph_fallback:
             add(ToMeInputSpec(HAS_MAP_INPUT, (), torch.bool, "has_map"))
-    drawn = tuple(c for i, c in enumerate(cells) if makers[i] == i)
-    wants_partition = mode.use_rand and (not importance or mode.in_graph_fallback) and not reuse_only
-    own = [i for i in range(len(plans)) if makers[i] == i]  # the blocks whose plan is state
-    state_specs = _plan_state_specs(plans, own, batch) if state else []
-    if reuse_only:
+    drawn = tuple(layout.cells[i] for i in layout.own)
+    wants_partition = mode.use_rand and (not importance or mode.in_graph_fallback) and state != "reuse"
+    state_specs = _plan_state_specs(plans, layout.own, batch) if state else []
+    if state == "reuse":
         pass  # every plan comes from the state inputs: nothing drawn, nothing hashed
     elif mode.in_graph_random:
         cells_drawn = sum(a * b for a, b in drawn) if wants_partition else 0
         _hashed_inputs(gm, mode.timestep_index, add, nodes, cells_drawn, config.sx * config.sy,
-                       sum(pools) if importance else 0)
+                       sum(layout.pools) if importance else 0)
     else:
         if importance and mode.use_rand:
-            add(ToMeInputSpec(DST_KEY_INPUT, (images, sum(pools)), torch.float32, "dst_key"))
+            add(ToMeInputSpec(DST_KEY_INPUT, (images, sum(layout.pools)), torch.float32, "dst_key"))
         if wants_partition:
             add(ToMeInputSpec(PARTITION_INPUT, (sum(a * b for a, b in drawn),), torch.int64, "partition",
                               cells=drawn, choices=config.sx * config.sy))
@@ -230,29 +263,32 @@ def _rewrite_all(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig,
             add(spec)
         if state == "either":
             add(ToMeInputSpec(REUSE_INPUT, (), torch.bool, "reuse"))
+    return specs, nodes, state_specs
+
+
+def _rewrite_blocks(graph: fx.Graph, plans: list[BlockPlan], config: ToMeConfig, mode: _Mode, layout: _Layout,
+                    nodes: dict[str, fx.Node]) -> dict[int, tuple[fx.Node, fx.Node] | None]:
+    """Rewrite each block, reading its share of the drawn inputs and of the plan state (running
+    offsets); returns the plan nodes each block made (``None`` for a block that shares one)."""
+    own = layout.own
     cell_offset = key_offset = slot_offset = weight_offset = 0
     slot_total = sum(plans[i].tokens for i in own)
     weight_total = sum(plans[i].tokens - plans[i].merged for i in own)
     made: dict[int, tuple[fx.Node, fx.Node] | None] = {}
-    for i, (plan, (ch, cw), pool) in enumerate(zip(plans, cells, pools, strict=True)):
+    for i, (plan, (ch, cw), pool) in enumerate(zip(plans, layout.cells, layout.pools, strict=True)):
         io = BlockInputs(method=mode.method, partition=nodes.get("partition"), cell_offset=cell_offset,
                          importance=nodes.get("importance"), has_map=nodes.get("has_map"),
                          dst_key=nodes.get("dst_key"), key_offset=key_offset, pool=pool,
                          slots=nodes.get("plan_slot"), weights=nodes.get("plan_weight"),
                          reuse=nodes.get("reuse"), slot_offset=slot_offset, weight_offset=weight_offset,
                          slot_total=slot_total, weight_total=weight_total)
-        shared = made.get(makers[i]) if makers[i] != i else None
+        maker = layout.makers[i]
+        shared = made.get(maker) if maker != i else None
         made[i] = rewrite_block(graph, plan, config, io, shared=shared)
         cell_offset, key_offset = cell_offset + ch * cw, key_offset + pool
-        if makers[i] == i:
+        if maker == i:
             slot_offset, weight_offset = slot_offset + plan.tokens, weight_offset + plan.tokens - plan.merged
-    outputs: list[ToMeInputSpec] = []
-    if state in ("make", "either"):
-        outputs = [dataclasses.replace(spec, name=spec.name + OUTPUT_SUFFIX) for spec in state_specs]
-        _append_outputs(graph, [n for i in own for n in (made[i] or ())], outputs)
-    graph.lint()
-    gm.recompile()
-    return specs, outputs
+    return made
 
 
 def _plan_state_specs(plans: list[BlockPlan], own: list[int], batch: int | None) -> list[ToMeInputSpec]:
@@ -492,6 +528,9 @@ def _report(found: list[_sites.AttentionSite], decisions: list[BlockPlan | Skip]
                 skip = Skip(f"ratio={config.ratio}: nothing to merge", skip.grid, skip.downsample)
             rows.append(ToMeSite(**row, tokens_after=None, grid=skip.grid, downsample=skip.downsample,
                                  rewritten=False, reason=skip.reason))
+    logger.info("ToMe: rewrote %d of %d attention sites", sum(r.rewritten for r in rows), len(rows))
+    for row in rows:
+        logger.debug("ToMe site %s", row.line())
     return rows
 
 
@@ -515,6 +554,14 @@ def nothing_rewritten(result: ToMeResult, config: ToMeConfig) -> str | None:
     if candidates:
         return "ToMe rewrote nothing: " + "; ".join(sorted({f"{s.path}: {s.reason}" for s in candidates}))
     return None  # a graph without self-attention (e.g. a text encoder) is not a surprise
+
+
+def _attention_batch(plans: list[BlockPlan]) -> tuple[int | None, int | None]:
+    """The attention batch of the planned blocks: ``(static size or None, size to plan state by)``
+    — a symbolic batch (dynamic ONNX export) sizes the plan-state specs by its traced value."""
+    first = next((s[0] for p in plans if isinstance(s := _sites.node_shape(p.site.input), tuple)), None)
+    batch = first if isinstance(first, int) else None
+    return batch, batch if batch is not None else getattr(getattr(first, "node", None), "hint", None)
 
 
 def merge_self_attention(
@@ -569,8 +616,7 @@ def merge_self_attention(
     latent = latent_hw or io.latent  # the sample's (the pass whose output the graph returns)
     decisions = _select_blocks(_decide_all(gm, found, passes, config, latent_hw), found, config, passes)
     plans = [d for d in decisions if isinstance(d, BlockPlan)] if config.enabled else []
-    first = next((s[0] for p in plans if isinstance(s := _sites.node_shape(p.site.input), tuple)), None)
-    batch = first if isinstance(first, int) else None
+    batch, hint = _attention_batch(plans)
     # the CFG pairs are pairs of samples: a video U-Net folds its frames into the attention batch
     # (1 video x 16 frames is 16 rows and still no pair)
     samples = io.sample_batch
@@ -579,14 +625,9 @@ def merge_self_attention(
         _choose_mode(config, method, oracle, in_graph_fallback, pairs_of, in_graph_random, plan_state),
         timestep_index=io.timestep_index,
     )
-    # a symbolic batch (dynamic ONNX export) sizes the plan-state specs by its traced value
-    hint = batch if batch is not None else getattr(getattr(first, "node", None), "hint", None)
     kept, (specs, outputs), failures = (_apply(gm, plans, config, mode, latent, hint, validate) if plans
                                         else ([], ([], []), {}))
     report = _report(found, decisions, kept, failures, config, mode)
-    logger.info("ToMe: rewrote %d of %d attention sites", sum(r.rewritten for r in report), len(report))
-    for row in report:
-        logger.debug("ToMe site %s", row.line())
     return ToMeResult(graph_module=gm, modified=bool(kept), sites=report, inputs=specs, latent_hw=latent,
                       batch=batch, outputs=outputs, plan_state=mode.plan_state if kept else None,
                       guidance=mode.guidance if kept else None,

@@ -148,5 +148,5 @@ def test_onnx_runtime_equals_the_compiled_backend_call_by_call(tmp_path, method)
         expected = run(model, latent, kwargs)
         assert got.shape == (2, 8, 16, 16) and (got - expected).abs().max() < 1e-4
     if method == "importance":
-        assert session.meta["noise_channels"] == 4
+        assert session.meta.noise_channels == 4
         assert torch.allclose(session.importance.map, backend.importance.map, atol=1e-5)

@@ -186,7 +186,7 @@ def test_onnx_runtime_equals_the_compiled_backend_call_by_call(tmp_path, kind, m
     assert [s.path for s in result.report.rewritten] == SPATIAL
     assert result.fused_attention == sum(1 for s in result.report.sites)  # temporal attention fused too
     meta = ToMeSession(result.path).meta
-    assert (meta["frames"], meta["channel_axis"], meta["batch"]) == (3, 1 if kind == "animatediff" else 2, 2)
+    assert (meta.frames, meta.channel_axis, meta.batch) == (3, 1 if kind == "animatediff" else 2, 2)
     if method == "importance":  # one map per frame of the CFG pair; its default has every row
         model = onnx.load(str(result.path), load_external_data=False)
         default = next(i for i in model.graph.initializer if i.name == "tome_importance")

@@ -182,9 +182,9 @@ def test_export_structure_and_session_equals_the_compiled_wrapper(zero123, zero1
 
     session = ToMeSession(zero123_export, seed=3)
     meta = session.meta
-    assert meta["inputs"][:5] == ["sample", "timestep", "encoder_hidden_states", "cond_lat", "noise"]
-    assert meta["multiview"]["passes"] == 2 and meta["multiview"]["cond_lat"] == [4, 4, 4]
-    rewritten = [line for line in meta["sites"] if "rewritten" in line]
+    assert meta.inputs[:5] == ["sample", "timestep", "encoder_hidden_states", "cond_lat", "noise"]
+    assert meta.multiview["passes"] == 2 and meta.multiview["cond_lat"] == [4, 4, 4]
+    rewritten = [line for line in meta.sites if "rewritten" in line]
     assert [line.split()[0] for line in rewritten] == READ_SITES
     assert all("self-attention + reference  96 -> 48 tokens" in line and "16 reference tokens kept" in line
                for line in rewritten)

@@ -17,7 +17,7 @@ import torch
 
 from tome_compile.sampler import PartitionSampler
 
-__all__ = ["DRAWS", "ToMeInputSpec", "draw_tome_inputs"]
+__all__ = ["DRAWS", "FED_BACK_SUFFIX", "ToMeInputSpec", "draw_tome_inputs"]
 
 # How each kind of input is drawn per U-Net call; ``map`` is the importance map (or None).
 #   partition  [sum(h*w of cells)] int64  one destination choice per sx*sy cell; drawn when there is no map
@@ -30,6 +30,10 @@ __all__ = ["DRAWS", "ToMeInputSpec", "draw_tome_inputs"]
 #   plan_weight [B, sum (N - r)] float32    fed back from that call's extra outputs
 #   reuse      [] bool                    plan_every, one-graph form (ONNX): reuse the fed plans
 DRAWS = ("partition", "importance", "has_map", "dst_key", "seed", "plan_slot", "plan_weight", "reuse")
+
+_DEFAULT = {"importance": "zeros", "has_map": "zeros", "seed": "zeros", "reuse": "zeros",
+            "plan_slot": "empty", "plan_weight": "empty"}
+FED_BACK_SUFFIX = "_out"  # plan_every: the output ``NAME_out`` is fed back to the input ``NAME``
 
 _DTYPES = {"int64": torch.int64, "float32": torch.float32, "bool": torch.bool}
 
@@ -52,6 +56,24 @@ class ToMeInputSpec:
     def __post_init__(self) -> None:
         if self.draw not in DRAWS:
             raise ValueError(f"draw={self.draw!r} is not one of {DRAWS}")
+
+    @property
+    def default(self) -> str | None:
+        """What the exported graph takes when the caller feeds nothing: ``"zeros"`` (seed 0, no map
+        yet, do not reuse), ``"empty"`` (no plans yet: no rows along the batch axis of a dynamic
+        export), or ``None`` (must be fed: the partition, the destination keys)."""
+        return _DEFAULT.get(self.draw)
+
+    @property
+    def batch_axis(self) -> int | None:
+        """The axis that grows with the batch (plan state: batch-major, flattened; the map and the
+        keys: one row per image), or ``None``."""
+        return 0 if self.draw in ("importance", "dst_key", "plan_slot", "plan_weight") else None
+
+    @property
+    def fed_from(self) -> str | None:
+        """The graph output whose value the next calls feed back here (plan_every's plans)."""
+        return self.name + FED_BACK_SUFFIX if self.draw in ("plan_slot", "plan_weight") else None
 
     def zeros(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """A placeholder value of the right shape and dtype (tracing, "nothing drawn")."""

@@ -167,7 +167,7 @@ def apply(pipe: Any, ratio: float | ToMeConfig | None = None, *, onnx: str | Pat
             )
         seed = options.get("seed", ratio.seed if isinstance(ratio, ToMeConfig) else None)
         handle = ToMeSession(onnx, seed=seed, providers=providers)
-        if not handle.meta:
+        if not handle.exported:
             raise ToMeModelError(
                 f"{str(onnx)!r} is not a tome-export file (no tome_compile metadata); export "
                 "the U-Net with tome-export (--into for an ONNX pipeline folder)"

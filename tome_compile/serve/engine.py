@@ -133,11 +133,11 @@ class Engine:
         from tome_compile.export.session import ToMeSession
 
         session = ToMeSession(path, seed=self.spec.seed)
-        if not session.meta:
+        if not session.exported:
             raise ToMeModelError(f"{str(path)!r} is not a tome-export file (no tome_compile metadata)")
-        config = session.meta.get("config", {})
+        config = session.meta.config
         ratio = float(config.get("ratio", 0.0))
-        return {ratio: session}, int(session.meta["height"]), str(config.get("method", "tome"))
+        return {ratio: session}, int(session.meta.height or 0), str(config.get("method", "tome"))
 
     def warm_up(self) -> float:
         """One loop per denoiser at every served size (the compiles): seconds taken."""
