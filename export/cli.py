@@ -152,19 +152,19 @@ _deferred = [False]
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
-    _interrupted.append("SIGTERM")
-    if _deferred[0]:
-        print("tome-export: SIGTERM: stopping after the ONNX conversion", file=sys.stderr, flush=True)
-        return
-    raise _Terminated
+    _stop("SIGTERM", _Terminated)
 
 
 def _on_sigint(signum: int, frame: object) -> None:
-    _interrupted.append("interrupted")
+    _stop("interrupted", KeyboardInterrupt)
+
+
+def _stop(name: str, error: type[BaseException]) -> None:
+    _interrupted.append(name)
     if _deferred[0]:
-        print("tome-export: interrupted: stopping after the ONNX conversion", file=sys.stderr, flush=True)
+        print(f"tome-export: {name}: stopping after the ONNX conversion", file=sys.stderr, flush=True)
         return
-    raise KeyboardInterrupt
+    raise error
 
 
 def _check_interrupted() -> None:

@@ -282,10 +282,6 @@ def _attention_count(unet: torch.nn.Module, gm: fx.GraphModule, passes: int, dea
     return sum(isinstance(m, Attention) for m in unet.modules()) * passes - dead - masked
 
 
-# The U-Net inputs with a batch axis (dynamic in the export); the timestep ([1]) and ToMe inputs
-# have none (plan_every's flat plan state grows with the batch: its one axis is dynamic too).
-
-
 def _dynamic_shapes(run: _Run) -> tuple[Any, ...] | None:
     """The batch axis of each graph input: the U-Net's per-image inputs, and the ToMe inputs whose
     spec has one (plan_every's fed-back plans)."""

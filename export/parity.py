@@ -43,6 +43,8 @@ __all__ = [
 ]
 
 OUTPUT_NAME = "out_sample"
+# The U-Net inputs with a batch axis (dynamic in the export); the timestep ([1]) has none, and a
+# ToMe input has the batch axis its spec names (ToMeInputSpec.batch_axis).
 PER_IMAGE_INPUTS = ("sample", "encoder_hidden_states", "text_embeds", "time_ids", "cond_lat", "noise")
 
 _aten = torch.ops.aten
@@ -80,6 +82,7 @@ class ParityCheck:
     key: str
     args: tuple[torch.Tensor, ...]
     extra: tuple[torch.Tensor, ...]
+    output: np.ndarray | None = None  # the PyTorch output, when computed while making the checks
 
 
 def example_tome_inputs(result: ToMeResult, seed: int, with_map: bool = True) -> list[torch.Tensor]:
@@ -98,13 +101,15 @@ def parity_checks(result: ToMeResult, gm: fx.GraphModule, args: tuple[torch.Tens
                   ) -> list[ParityCheck]:
     """The traced call; importance's fallback branch; plan_every's reusing branch (fed the plans
     PyTorch made); with ``traced`` (a dynamic batch traced at that size) batch 1 from the same file."""
-    checks = [ParityCheck("traced", tuple(args), tuple(extra))]
+    made = None
+    if result.outputs:  # the traced call's plans feed the reusing check; its output is the reference
+        with torch.no_grad(), Fp32Compute():
+            made = gm(*args, *extra)
+    checks = [ParityCheck("traced", tuple(args), tuple(extra), None if made is None else _numpy(made))]
     if any(spec.draw == "has_map" for spec in result.inputs):
         fallback = example_tome_inputs(result, seed, with_map=False)
         checks.append(ParityCheck("no map", tuple(args), tuple(fallback)))
-    if result.outputs:
-        with torch.no_grad(), Fp32Compute():
-            made = gm(*args, *extra)
+    if made is not None:
         fed = draw_tome_inputs(result.inputs, PartitionSampler(seed), None, "cpu", plans=(made[1], made[2]))
         checks.append(ParityCheck("reused plans", tuple(args), tuple(fed)))
     if traced is not None:
@@ -127,9 +132,14 @@ def references(gm: fx.GraphModule, checks: list[ParityCheck]) -> dict[str, np.nd
     out = {}
     with torch.no_grad(), Fp32Compute():
         for check in checks:
-            value = gm(*check.args, *check.extra)
-            out[check.key] = (value[0] if isinstance(value, (tuple, list)) else value).float().cpu().numpy()
+            known = check.output
+            out[check.key] = known if known is not None else _numpy(gm(*check.args, *check.extra))
     return out
+
+
+def _numpy(value: Any) -> np.ndarray:
+    """The model output of a graph call (the first of several outputs) as float32 NumPy."""
+    return (value[0] if isinstance(value, (tuple, list)) else value).float().cpu().numpy()
 
 
 def default_providers() -> list[str]:
