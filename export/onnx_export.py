@@ -40,6 +40,7 @@ from tome_compile.export.metadata import METADATA_KEY, ExportMetadata
 from tome_compile.export.ort_optimizer import optimize_for_ort
 from tome_compile.export.parity import default_providers
 from tome_compile.passes import ToMeResult, find_unet_io, merge_self_attention
+from tome_compile.passes.follow_up import either_plans, hash_random
 from tome_compile.passes.merge_self_attention import nothing_rewritten
 from tome_compile.passes.sites import node_shape as _sites_node_shape
 from torch import fx
@@ -572,9 +573,13 @@ def _stage_rewrite(run: _Run) -> None:
     # plan_every: one graph that makes or reuses the plans per call (a tome_reuse_plan input, ONNX If)
     o, gm = run.options, run.gm
     assert gm is not None
-    result = merge_self_attention(gm, run.config, oracle=o.oracle, in_graph_fallback=True,
-                                  in_graph_random=not o.partition_input,
-                                  plan_state="either" if run.config.plan_every > 1 else None, io=run.io)
+    # the canonical pass, then the deployment forms: plans made or reused per call, randomness
+    # hashed from tome_seed (no drawn input)
+    result = merge_self_attention(gm, run.config, oracle=o.oracle, in_graph_fallback=True, io=run.io)
+    if run.config.plan_every > 1:
+        result = either_plans(gm, result)
+    if not o.partition_input:
+        result = hash_random(gm, result)
     if not o.oracle and (why := nothing_rewritten(result, run.config)) is not None:
         raise ToMeExportError(f"{why} — nothing to export with ToMe (--ratio 0 exports the plain U-Net)")
     _assert_no_scatter_mean(gm)

@@ -8,7 +8,8 @@ Three stages, each its own module: **find** the attention sites (:mod:`.sites`),
 site (:mod:`.decide`: a plan or a reason), **rewrite** one block (:mod:`.rewrite`). This driver
 only loops over them, appends the graph inputs the plans read (described by
 :class:`~tome_compile.inputs.ToMeInputSpec`) and validates the result: a site whose rewrite does
-not type-check is put back and reported as skipped.
+not type-check is put back and reported as skipped. Other forms of the result (randomness hashed
+in the graph, plans returned for the next calls) are follow-up passes (:mod:`.follow_up`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -111,6 +111,8 @@ class ToMeResult:
     plan_state: str | None = None
     guidance: GuidanceLayout | None = None  # importance: the layout its plans and map assume
     io: UNetIO | None = None  # the graph's U-Net inputs, output and passes, as found before the rewrite
+    config: ToMeConfig | None = None  # what the pass was run with (the follow-up passes read it)
+    plan_batch: int | None = None  # the batch plan state is sized by (a symbolic batch's traced value)
 
     @property
     def rewritten(self) -> list[ToMeSite]:
@@ -139,14 +141,11 @@ class _Mode:
     use_rand: bool
     in_graph_fallback: bool
     note: str  # appended to each rewritten row's reason
-    in_graph_random: bool = False
-    plan_state: str | None = None
     guidance: GuidanceLayout | None = None  # importance: which rows of the batch are one image's
-    timestep_index: int | None = None  # the timestep among the graph's inputs (in-graph randomness)
 
 
 def _choose_mode(config: ToMeConfig, method: str | None, oracle: bool, in_graph_fallback: bool,
-                 batch: int | None, in_graph_random: bool = False, plan_state: str | None = None) -> _Mode:
+                 batch: int | None) -> _Mode:
     method = "oracle" if oracle else (method or config.method)
     note = ""
     layout = None
@@ -161,16 +160,9 @@ def _choose_mode(config: ToMeConfig, method: str | None, oracle: bool, in_graph_
         use_rand, note = False, note + f"; batch {batch} is odd: fixed destinations (as tomesd)"
     tag = {"oracle": "; oracle", "importance": f"; importance ({layout.name if layout else '?'} guidance)"
            }.get(method, "")
-    if use_rand and in_graph_random and plan_state != "reuse":
-        tag += "; destinations hashed from (tome_seed, timestep) in the graph"
-    if method == "oracle":
-        plan_state = None  # the oracle makes no plan
-    tag += {"make": f"; plan kept for the next calls (plan_every={config.plan_every})",
-            "reuse": f"; plan of an earlier call (plan_every={config.plan_every})",
-            "either": f"; plan made or reused per call ({REUSE_INPUT})"}.get(plan_state or "", "")
     return _Mode(method=method, use_rand=use_rand,
                  in_graph_fallback=in_graph_fallback and method == "importance", note=note + tag,
-                 in_graph_random=use_rand and in_graph_random, plan_state=plan_state, guidance=layout)
+                 guidance=layout)
 
 
 def _add_input(graph: fx.Graph, spec: ToMeInputSpec) -> fx.Node:
@@ -182,20 +174,14 @@ def _add_input(graph: fx.Graph, spec: ToMeInputSpec) -> fx.Node:
 
 
 def _rewrite_all(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig, mode: _Mode,
-                 latent: tuple[int, int] | None, batch: int | None
-                 ) -> tuple[list[ToMeInputSpec], list[ToMeInputSpec]]:
-    """Append the inputs the plans read, rewrite every block, append the plan-state outputs, lint;
-    returns the input and output specs."""
+                 latent: tuple[int, int] | None, batch: int | None) -> list[ToMeInputSpec]:
+    """Append the inputs the plans read, rewrite every block, lint; returns the input specs."""
     layout = _layout(plans, config, mode)
-    specs, nodes, state_specs = _add_plan_inputs(gm, plans, config, mode, latent, batch, layout)
-    made = _rewrite_blocks(gm.graph, plans, config, mode, layout, nodes)
-    outputs: list[ToMeInputSpec] = []
-    if mode.plan_state in ("make", "either"):
-        outputs = [dataclasses.replace(spec, name=spec.fed_from) for spec in state_specs]
-        _append_outputs(gm.graph, [n for i in layout.own for n in (made[i] or ())], outputs)
+    specs, nodes = _add_plan_inputs(gm, plans, config, mode, latent, batch, layout)
+    _rewrite_blocks(gm.graph, plans, config, mode, layout, nodes)
     gm.graph.lint()
     gm.recompile()
-    return specs, outputs
+    return specs
 
 
 @dataclass(frozen=True)
@@ -213,10 +199,9 @@ class _Layout:
 
 def _layout(plans: list[BlockPlan], config: ToMeConfig, mode: _Mode) -> _Layout:
     makers = _plan_makers(plans, config)
-    reuse_only = mode.plan_state == "reuse"
-    cells = [(p.grid[0] // config.sy, p.grid[1] // config.sx) if makers[i] == i and not reuse_only else (0, 0)
+    cells = [(p.grid[0] // config.sy, p.grid[1] // config.sx) if makers[i] == i else (0, 0)
              for i, p in enumerate(plans)]
-    importance = mode.method == "importance" and not reuse_only
+    importance = mode.method == "importance"
     pools = [_merge.importance_pool_size(p.tokens, p.merged, config.pool_factor, config.dst_fraction)
              if importance and makers[i] == i else 0 for i, p in enumerate(plans)]
     own = [i for i in range(len(plans)) if makers[i] == i]
@@ -225,12 +210,11 @@ def _layout(plans: list[BlockPlan], config: ToMeConfig, mode: _Mode) -> _Layout:
 
 def _add_plan_inputs(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig, mode: _Mode,
                      latent: tuple[int, int] | None, batch: int | None, layout: _Layout
-                     ) -> tuple[list[ToMeInputSpec], dict[str, fx.Node], list[ToMeInputSpec]]:
-    """The graph inputs the plans read (and the in-graph hashing of the random ones): their specs,
-    their nodes by kind, and the plan-state specs."""
+                     ) -> tuple[list[ToMeInputSpec], dict[str, fx.Node]]:
+    """The graph inputs the plans read: their specs and their nodes by kind."""
     specs: list[ToMeInputSpec] = []
     nodes: dict[str, fx.Node] = {}
-    state, importance = mode.plan_state, layout.importance
+    importance = layout.importance
 
     def add(spec: ToMeInputSpec) -> None:
         specs.append(spec)
@@ -244,99 +228,29 @@ def _add_plan_inputs(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeCon
         if mode.in_graph_fallback:
             add(ToMeInputSpec(HAS_MAP_INPUT, (), torch.bool, "has_map"))
     drawn = tuple(layout.cells[i] for i in layout.own)
-    wants_partition = mode.use_rand and (not importance or mode.in_graph_fallback) and state != "reuse"
-    state_specs = _plan_state_specs(plans, layout.own, batch) if state else []
-    if state == "reuse":
-        pass  # every plan comes from the state inputs: nothing drawn, nothing hashed
-    elif mode.in_graph_random:
-        cells_drawn = sum(a * b for a, b in drawn) if wants_partition else 0
-        _hashed_inputs(gm, mode.timestep_index, add, nodes, cells_drawn, config.sx * config.sy,
-                       sum(layout.pools) if importance else 0)
-    else:
-        if importance and mode.use_rand:
-            add(ToMeInputSpec(DST_KEY_INPUT, (images, sum(layout.pools)), torch.float32, "dst_key"))
-        if wants_partition:
-            add(ToMeInputSpec(PARTITION_INPUT, (sum(a * b for a, b in drawn),), torch.int64, "partition",
-                              cells=drawn, choices=config.sx * config.sy))
-    if state in ("reuse", "either"):
-        for spec in state_specs:
-            add(spec)
-        if state == "either":
-            add(ToMeInputSpec(REUSE_INPUT, (), torch.bool, "reuse"))
-    return specs, nodes, state_specs
+    if importance and mode.use_rand:
+        add(ToMeInputSpec(DST_KEY_INPUT, (images, sum(layout.pools)), torch.float32, "dst_key"))
+    if mode.use_rand and (not importance or mode.in_graph_fallback):
+        add(ToMeInputSpec(PARTITION_INPUT, (sum(a * b for a, b in drawn),), torch.int64, "partition",
+                          cells=drawn, choices=config.sx * config.sy))
+    return specs, nodes
 
 
 def _rewrite_blocks(graph: fx.Graph, plans: list[BlockPlan], config: ToMeConfig, mode: _Mode, layout: _Layout,
                     nodes: dict[str, fx.Node]) -> dict[int, tuple[fx.Node, fx.Node] | None]:
-    """Rewrite each block, reading its share of the drawn inputs and of the plan state (running
-    offsets); returns the plan nodes each block made (``None`` for a block that shares one)."""
-    own = layout.own
-    cell_offset = key_offset = slot_offset = weight_offset = 0
-    slot_total = sum(plans[i].tokens for i in own)
-    weight_total = sum(plans[i].tokens - plans[i].merged for i in own)
+    """Rewrite each block, reading its share of the drawn inputs (running offsets); returns the
+    plan nodes each block made (``None`` for a block that shares one)."""
+    cell_offset = key_offset = 0
     made: dict[int, tuple[fx.Node, fx.Node] | None] = {}
     for i, (plan, (ch, cw), pool) in enumerate(zip(plans, layout.cells, layout.pools, strict=True)):
         io = BlockInputs(method=mode.method, partition=nodes.get("partition"), cell_offset=cell_offset,
                          importance=nodes.get("importance"), has_map=nodes.get("has_map"),
-                         dst_key=nodes.get("dst_key"), key_offset=key_offset, pool=pool,
-                         slots=nodes.get("plan_slot"), weights=nodes.get("plan_weight"),
-                         reuse=nodes.get("reuse"), slot_offset=slot_offset, weight_offset=weight_offset,
-                         slot_total=slot_total, weight_total=weight_total)
+                         dst_key=nodes.get("dst_key"), key_offset=key_offset, pool=pool)
         maker = layout.makers[i]
         shared = made.get(maker) if maker != i else None
         made[i] = rewrite_block(graph, plan, config, io, shared=shared)
         cell_offset, key_offset = cell_offset + ch * cw, key_offset + pool
-        if maker == i:
-            slot_offset, weight_offset = slot_offset + plan.tokens, weight_offset + plan.tokens - plan.merged
     return made
-
-
-def _plan_state_specs(plans: list[BlockPlan], own: list[int], batch: int | None) -> list[ToMeInputSpec]:
-    """The packed plan state of the blocks ``own``, flat ``[B * sum N]`` / ``[B * sum (N - r)]``
-    (see :func:`tome_compile.merge.pack_plans`)."""
-    if batch is None:
-        raise ToMeRewriteError("plan_every needs a batch size known when the graph is rewritten")
-    return [ToMeInputSpec(PLAN_SLOTS, (batch * sum(plans[i].tokens for i in own),), torch.int64, "plan_slot"),
-            ToMeInputSpec(PLAN_WEIGHTS, (batch * sum(plans[i].tokens - plans[i].merged for i in own),),
-                          torch.float32, "plan_weight")]
-
-
-def _append_outputs(graph: fx.Graph, plan_nodes: list[fx.Node], specs: list[ToMeInputSpec]) -> None:
-    """Return the packed plans after the model's own outputs."""
-    output = next(n for n in graph.nodes if n.op == "output")
-    values = output.args[0]
-    if not isinstance(values, (tuple, list)):
-        raise ToMeRewriteError(f"plan_every: the graph returns {type(values).__name__}, not a tuple of "
-                               "outputs; cannot append the plan state")
-    with graph.inserting_before(output):
-        packed = graph.call_function(_merge.pack_plans, tuple(plan_nodes))
-        parts = [graph.call_function(operator.getitem, (packed, k)) for k in range(len(specs))]
-    for node in (packed, *parts):
-        node.meta["tome"] = {"role": "state", "site": "plans"}
-    output.args = (type(values)([*values, *parts]),)
-
-
-def _hashed_inputs(gm: fx.GraphModule, timestep_index: int | None, add: Callable[[ToMeInputSpec], None],
-                   nodes: dict[str, fx.Node], cells: int, choices: int, keys: int) -> None:
-    """Deployment form of the random draws: a ``tome_seed`` input, and the partition / keys hashed
-    from it and the timestep inside the graph (no Random* op, no non-standard input needed)."""
-    if timestep_index is None:
-        raise ToMeRewriteError("in-graph random destinations need the timestep as a graph input; "
-                               "none was found (pass in_graph_random=False to take tome_partition)")
-    timestep = [n for n in gm.graph.nodes if n.op == "placeholder"][timestep_index]
-    add(ToMeInputSpec(SEED_INPUT, (), torch.int64, "seed"))
-    seed = nodes.pop("seed")
-    with gm.graph.inserting_after(seed):
-        if keys:
-            nodes["dst_key"] = gm.graph.call_function(
-                _merge.hashed_keys, (seed, timestep, nodes["importance"], keys)
-            )
-        if cells:
-            nodes["partition"] = gm.graph.call_function(_merge.hashed_partition,
-                                                        (seed, timestep, cells, choices))
-    for name in ("dst_key", "partition"):
-        if name in nodes:
-            nodes[name].meta["tome"] = {"role": "plan", "site": "hashed"}
 
 
 def _decide_all(gm: fx.GraphModule, found: list[_sites.AttentionSite], passes: list[_sites.UNetPass],
@@ -462,11 +376,10 @@ def _remap(plan: BlockPlan, graph: fx.Graph) -> BlockPlan:
 
 def _apply(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig, mode: _Mode,
            latent: tuple[int, int] | None, batch: int | None,
-           validate: bool) -> tuple[list[BlockPlan], tuple[list[ToMeInputSpec], list[ToMeInputSpec]],
-                                    dict[str, str]]:
+           validate: bool) -> tuple[list[BlockPlan], list[ToMeInputSpec], dict[str, str]]:
     """Rewrite every planned block; when the result does not type-check, find the sites that
-    fail alone, put the graph back and rewrite the others. Returns (kept plans, (input specs,
-    output specs), failures)."""
+    fail alone, put the graph back and rewrite the others. Returns (kept plans, input specs,
+    failures)."""
     original = copy.deepcopy(gm.graph) if validate else None
     specs = _rewrite_all(gm, plans, config, mode, latent, batch)
     if original is None or (error := _check(gm)) is None:
@@ -484,7 +397,7 @@ def _apply(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeConfig, mode:
             logger.info("ToMe: %s left unmerged: its rewrite fails the shape check (%s)", plan.site.path, err)
     gm.graph = copy.deepcopy(original)
     survivors = [_remap(p, gm.graph) for p in survivors]
-    specs = _rewrite_all(gm, survivors, config, mode, latent, batch) if survivors else ([], [])
+    specs = _rewrite_all(gm, survivors, config, mode, latent, batch) if survivors else []
     if not survivors:
         gm.recompile()
     elif _check(gm) is not None:
@@ -573,7 +486,6 @@ def merge_self_attention(
     validate: bool = True,
     method: str | None = None,
     in_graph_fallback: bool = False,
-    in_graph_random: bool = False,
     plan_state: str | None = None,
     io: UNetIO | None = None,
 ) -> ToMeResult:
@@ -593,15 +505,13 @@ def merge_self_attention(
             the ``tome_importance`` input ``[B/2, H, W]`` (and ``tome_dst_key`` with ``use_rand``).
         in_graph_fallback: importance only: one graph for both kinds of step — a ``tome_has_map``
             input picks the importance or the ToMe plan per call (``torch.cond``).
-        in_graph_random: deployment form of ``use_rand``: one ``tome_seed`` input (int64 scalar)
-            instead of ``tome_partition`` / ``tome_dst_key``; the graph hashes the destinations
-            from the seed and the timestep input (deterministic per (seed, timestep), different
-            across steps and blocks; not the sequence ``tome_backend(seed=)`` draws).
-        plan_state: ``plan_every``'s state (see ``PLAN_STATES``): ``"make"`` returns the plans
-            of the blocks that make one as two more outputs (``tome_plan_slots_out``,
-            ``tome_plan_weights_out``); ``"reuse"`` takes every plan from ``tome_plan_slots`` /
-            ``tome_plan_weights`` inputs (no matching, nothing drawn); ``"either"`` does both
-            with a ``tome_reuse_plan`` bool input choosing per call (``torch.cond``, ONNX ``If``).
+        plan_state: ``plan_every``'s state (see ``PLAN_STATES``), a shorthand for the canonical
+            pass followed by one of the follow-up passes (:mod:`.follow_up`): ``"make"``
+            (``keep_plans``) returns the plans of the blocks that make one as two more outputs
+            (``tome_plan_slots_out``, ``tome_plan_weights_out``); ``"reuse"`` (``reuse_plans``)
+            takes every plan from ``tome_plan_slots`` / ``tome_plan_weights`` inputs (no matching,
+            nothing drawn); ``"either"`` (``either_plans``) does both with a ``tome_reuse_plan``
+            bool input choosing per call (``torch.cond``, ONNX ``If``).
         io: :func:`~tome_compile.passes.unet_io.find_unet_io` of ``gm`` as it is now (before any
             rewrite), when the caller has it; found here otherwise. Carried on the result.
     Returns:
@@ -621,14 +531,18 @@ def merge_self_attention(
     # (1 video x 16 frames is 16 rows and still no pair)
     samples = io.sample_batch
     pairs_of = samples if samples is not None and isinstance(batch, int) and batch % samples == 0 else batch
-    mode = dataclasses.replace(
-        _choose_mode(config, method, oracle, in_graph_fallback, pairs_of, in_graph_random, plan_state),
-        timestep_index=io.timestep_index,
-    )
-    kept, (specs, outputs), failures = (_apply(gm, plans, config, mode, latent, hint, validate) if plans
-                                        else ([], ([], []), {}))
+    mode = _choose_mode(config, method, oracle, in_graph_fallback, pairs_of)
+    kept, specs, failures = _apply(gm, plans, config, mode, latent, hint, validate) if plans else ([], [], {})
     report = _report(found, decisions, kept, failures, config, mode)
-    return ToMeResult(graph_module=gm, modified=bool(kept), sites=report, inputs=specs, latent_hw=latent,
-                      batch=batch, outputs=outputs, plan_state=mode.plan_state if kept else None,
-                      guidance=mode.guidance if kept else None,
-                      method=mode.method if kept else (method or config.method), io=io)
+    result = ToMeResult(graph_module=gm, modified=bool(kept), sites=report, inputs=specs, latent_hw=latent,
+                        batch=batch,
+                        guidance=mode.guidance if kept else None,
+                        method=mode.method if kept else (method or config.method), io=io, config=config,
+                        plan_batch=hint)
+    if not kept or plan_state is None or oracle:
+        return result
+    # plan state is a form of the canonical graph: one of the follow-up passes
+    from tome_compile.passes import follow_up  # (it imports this module)
+
+    form = {"make": follow_up.keep_plans, "reuse": follow_up.reuse_plans, "either": follow_up.either_plans}
+    return form[plan_state](gm, result)

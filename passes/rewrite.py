@@ -18,7 +18,9 @@ from tome_compile.passes.decide import BlockPlan, Target
 from torch import fx
 
 from tome_compile import merge as _merge
+from tome_compile import plans as _plans
 from tome_compile.config import ToMeConfig
+from tome_compile.plans import PlanGeometry
 
 __all__ = ["BlockInputs", "rewrite_block"]
 
@@ -39,16 +41,6 @@ class BlockInputs:
     dst_key: fx.Node | None = None
     key_offset: int = 0
     pool: int = 0
-    # plan_every: the previous call's packed plans (``slots``, ``weights``) and where this block's
-    # plan starts in them; ``reuse`` set: a 0-d bool input picks reuse or a new plan per call
-    # (ONNX); unset with ``slots``: this graph always reuses.
-    slots: fx.Node | None = None
-    weights: fx.Node | None = None
-    reuse: fx.Node | None = None
-    slot_offset: int = 0
-    weight_offset: int = 0
-    slot_total: int = 0
-    weight_total: int = 0
 
 
 def _tag(node: fx.Node, site: str, role: str) -> fx.Node:
@@ -85,31 +77,20 @@ def _replace_literal_tokens(nodes: Sequence[fx.Node], n: int, n_after: int) -> i
 def _plan(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: BlockInputs) -> fx.Node:
     """The plan node ``(slot, weight)`` of the block, right after the attention input."""
     (h, w), r, path = plan.grid, plan.merged, plan.site.path
-    cells = _merge.partition_cells(h, w, config.sx, config.sy)
+    geometry = PlanGeometry(h, w, config.sx, config.sy, r, config.pool_factor, config.dst_fraction)
 
-    def call(fn: Any, *args: Any) -> fx.Node:
-        return _tag(graph.call_function(fn, args), path, "plan")
+    def call(fn: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        return _tag(graph.call_function(fn, args, kwargs), path, "plan")
 
-    if io.slots is not None and io.reuse is None:
-        return call(_merge.unpack_plan, io.slots, io.weights, plan.metric, io.slot_offset, io.weight_offset,
-                    h * w, h * w - r, io.slot_total, io.weight_total)
-    choice = call(torch.narrow, io.partition, 0, io.cell_offset, cells) if io.partition is not None else None
-    if io.method != "importance":
-        method, map_args = "tome", (None, None, None)
-    else:
-        key = call(torch.narrow, io.dst_key, 1, io.key_offset, io.pool) if io.dst_key is not None else None
-        fitted = call(_merge.fit_importance, io.importance, h, w)
-        method = "importance" if io.has_map is None else "importance_or_tome"
-        map_args = (io.has_map, fitted, key)
-    if io.reuse is not None:  # one call for every method: plan_or_reuse picks per call
-        return call(_merge.plan_or_reuse, io.reuse, io.slots, io.weights, io.slot_offset, io.weight_offset,
-                    io.slot_total, io.weight_total, method, plan.metric, *map_args, choice, h, w, config.sx,
-                    config.sy, r, config.pool_factor, config.dst_fraction)
+    choice = None
+    if io.partition is not None:
+        choice = call(torch.narrow, io.partition, 0, io.cell_offset, geometry.cells)
     if io.method != "importance":
         return call(_merge.tome_plan, plan.metric, choice, h, w, config.sx, config.sy, r)
-    if io.has_map is not None:
-        return call(_merge.importance_or_tome_plan, plan.metric, io.has_map, fitted, key, choice, h, w,
-                    config.sx, config.sy, r, config.pool_factor, config.dst_fraction)
+    key = call(torch.narrow, io.dst_key, 1, io.key_offset, io.pool) if io.dst_key is not None else None
+    fitted = call(_merge.fit_importance, io.importance, h, w)
+    if io.has_map is not None:  # the in-graph choice: importance when the map is there, else ToMe
+        return call(_plans.importance_or_tome_plan, plan.metric, io.has_map, fitted, key, choice, geometry)
     return call(_merge.importance_plan, plan.metric, fitted, key, h, w, r, config.pool_factor,
                 config.dst_fraction)
 
@@ -150,8 +131,12 @@ def rewrite_block(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: Bloc
         # inserting_before(next) keeps creation order (inserting_after(n) would reverse it)
         with graph.inserting_before(plan.site.input.next):
             node = _plan(graph, plan, config, io)
+            node.meta["tome"]["geometry"] = PlanGeometry(*plan.grid, config.sx, config.sy, plan.merged,
+                                                         config.pool_factor, config.dst_fraction)
             slot = _tag(graph.call_function(operator.getitem, (node, 0)), plan.site.path, "plan")
             weight = _tag(graph.call_function(operator.getitem, (node, 1)), plan.site.path, "plan")
+        # what the follow-up passes read: this block's own plan (its sizes on the plan node)
+        slot.meta["tome"]["made"] = weight.meta["tome"]["made"] = True
         last = weight
     for target in plan.targets:
         _merge_target(graph, plan, target, last if target.input is plan.site.input else target.input,

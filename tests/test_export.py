@@ -128,7 +128,7 @@ def test_unfusable_attention_is_refused_not_half_fused(tmp_path, unet):
 
 
 def test_any_batch_with_standard_inputs_only(exported, exported_partition):
-    from tome_compile.merge import hashed_partition
+    from tome_compile.sampler import hashed_partition
 
     hashed, drawn = ort_session(exported.path), ort_session(exported_partition.path)
     cells = sum(a * b for a, b in next(s for s in exported_partition.report.inputs).cells)
@@ -145,7 +145,7 @@ def test_any_batch_with_standard_inputs_only(exported, exported_partition):
 
 
 def test_hashed_destinations_are_deterministic_and_vary():
-    from tome_compile.merge import hashed_partition
+    from tome_compile.sampler import hashed_partition
 
     def draw(seed, t):
         return hashed_partition(torch.tensor(seed), torch.tensor([t]), 192, 4)

@@ -12,8 +12,9 @@ from conftest import TINY_SD15, call, dynamo_graph, tiny_inputs, tiny_unet, tome
 
 from tome_compile import ToMeConfig, generation, merge_self_attention, tome_backend
 from tome_compile.errors import ToMeConfigError, ToMeRewriteError
-from tome_compile.merge import importance_or_tome_plan, tome_plan
+from tome_compile.merge import tome_plan
 from tome_compile.models import build_unet
+from tome_compile.plans import importance_or_tome_plan
 
 
 def plan_nodes(gm, fn=tome_plan):
@@ -165,7 +166,7 @@ class KindCounter:
 
 
 def test_plan_every_state_is_a_graph_output_fed_back_as_an_input(sd15):
-    from tome_compile.merge import pack_plans, plan_or_reuse, unpack_plan
+    from tome_compile.plans import pack_plans, plan_or_reuse, unpack_plan
 
     unet, inputs = sd15
     config = ToMeConfig(ratio=0.5, plan_every=2, max_downsample=2)

@@ -25,6 +25,7 @@ from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeConfigError
 from tome_compile.guidance import GuidanceLayout, resolve_guidance
 from tome_compile.passes import ToMeResult, UNetIO, find_unet_io, merge_self_attention
+from tome_compile.passes.follow_up import keep_plans, reuse_plans
 from tome_compile.passes.merge_self_attention import nothing_rewritten
 from tome_compile.state import CallDriver, CallState
 
@@ -182,8 +183,11 @@ class ToMeBackend:
         # Rewrite a copy: Dynamo keeps using its own graph afterwards. ``io`` (found on ``gm``) is
         # valid for the copy: the same nodes in the same order.
         rewritten = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-        result = merge_self_attention(rewritten, self.config, oracle=self.oracle, method=method,
-                                      plan_state=plan_state, io=io)
+        result = merge_self_attention(rewritten, self.config, oracle=self.oracle, method=method, io=io)
+        if plan_state == "make":
+            result = keep_plans(rewritten, result)  # a planning graph returns its plans too
+        elif plan_state == "reuse":
+            result = reuse_plans(rewritten, result)  # a reusing graph takes them instead of matching
         mode = _fake_mode(example_inputs)
         device = _device_of(example_inputs)
         extra = [mode.from_tensor(s.zeros(device)) if mode is not None else s.zeros(device)

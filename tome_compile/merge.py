@@ -20,8 +20,6 @@ The segment mean is a ``scatter_add`` of values and a multiply by precomputed ``
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 __all__ = [
@@ -29,25 +27,18 @@ __all__ = [
     "destination_partition",
     "fit_importance",
     "gather_rows",
-    "hashed_keys",
-    "hashed_partition",
-    "importance_or_tome_plan",
     "importance_partition",
     "importance_plan",
     "importance_pool_size",
-    "make_plan",
     "match_rows",
     "merge_tokens",
     "oracle_merge",
     "oracle_unmerge",
-    "pack_plans",
     "partition_cells",
-    "plan_or_reuse",
     "row_max",
     "tie_free_order",
     "tome_plan",
     "unmerge_tokens",
-    "unpack_plan",
 ]
 
 
@@ -295,176 +286,6 @@ def importance_plan(
         return _plan_from_matches(src_b, dst_b, edge_order, best, r, n, metric.dtype)
 
 
-def importance_or_tome_plan(
-    metric: torch.Tensor,
-    has_map: torch.Tensor,
-    importance: torch.Tensor,
-    dst_key: torch.Tensor | None,
-    choice: torch.Tensor | None,
-    h: int,
-    w: int,
-    sx: int,
-    sy: int,
-    r: int,
-    pool_factor: float,
-    dst_fraction: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One graph for both steps of importance merging (used by the ONNX export):
-    ``importance_plan`` when ``has_map`` (a 0-d bool tensor), else ``tome_plan`` — a
-    ``torch.cond``, so ONNX gets an ``If`` and only the taken branch runs. Both plans have the
-    same shapes (``[B, N]``, ``[B, N - r, 1]``) whatever their destination counts."""
-    operands = [t for t in (metric, importance, dst_key, choice) if t is not None]
-    has_key, has_choice = dst_key is not None, choice is not None
-
-    def unpack(ops: tuple[torch.Tensor, ...]) -> tuple[Any, Any, Any, Any]:
-        it = iter(ops)
-        m, imp = next(it), next(it)
-        key = next(it) if has_key else None
-        ch = next(it) if has_choice else None
-        return m, imp, key, ch
-
-    def with_map(*ops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        m, imp, key, _ = unpack(ops)
-        slot, weight = importance_plan(m, imp, key, h, w, r, pool_factor, dst_fraction)
-        return slot.clone(), weight.clone()
-
-    def without_map(*ops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        m, _, _, ch = unpack(ops)
-        r_tome = min(r, h * w - partition_cells(h, w, sx, sy))
-        slot, weight = tome_plan(m, ch, h, w, sx, sy, r_tome)
-        return slot.clone(), weight.clone()
-
-    return _cond(has_map, with_map, without_map, tuple(operands))
-
-
-def pack_plans(*plans: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plan state (``plan_every``): ``slot_0, weight_0, slot_1, weight_1, ...`` of the blocks that
-    make a plan -> ``(slots [B * sum N_i] int64, weights [B * sum (N_i - r_i)] float32)``: one pair
-    of flat tensors whatever the number of blocks, so one graph output / input pair carries them
-    all. (Flat, so that a deployed graph takes its batch from ``sample`` alone, and an empty
-    default can stand for "no plans yet".)"""
-    slots, weights = plans[0::2], plans[1::2]
-    return (torch.cat(list(slots), dim=1).reshape(-1),
-            torch.cat([w.squeeze(-1).to(torch.float32) for w in weights], dim=1).reshape(-1))
-
-
-def unpack_plan(slots: torch.Tensor, weights: torch.Tensor, like: torch.Tensor, slot_offset: int,
-                weight_offset: int, n: int, kept: int, slot_total: int, weight_total: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's plan ``(slot [B, n], weight [B, kept, 1])`` out of :func:`pack_plans`' tensors
-    (``slot_total``, ``weight_total``: their row lengths); ``B`` is ``like``'s batch, weights in
-    ``like``'s dtype."""
-    # The fed plans must have ``like``'s batch, checked in every backend: a Concat with a [B, 1]
-    # column refuses rows of another batch, and the column's Add with the rows' first column
-    # refuses empty plans (ONNX Runtime's Concat skips an empty input; a Reshape(-1) / Slice /
-    # Gather alone would broadcast a batch-1 plan to the batch or clamp silently).
-    b = like.shape[0]
-    zero = like[:, :1, 0].to(torch.int64) * 0  # [B, 1]
-    rows = slots.reshape(b, slot_total)
-    slot = torch.cat([rows, zero + rows[:, :1] * 0], dim=1).narrow(1, slot_offset, n)
-    rows_w = weights.reshape(b, weight_total)
-    weight = torch.cat([rows_w, zero.to(weights.dtype) + rows_w[:, :1] * 0], dim=1)
-    weight = weight.narrow(1, weight_offset, kept).unsqueeze(-1).to(like.dtype)
-    return slot, weight
-
-
-def make_plan(
-    method: str,
-    metric: torch.Tensor,
-    has_map: torch.Tensor | None,
-    importance: torch.Tensor | None,
-    dst_key: torch.Tensor | None,
-    choice: torch.Tensor | None,
-    h: int,
-    w: int,
-    sx: int,
-    sy: int,
-    r: int,
-    pool_factor: float,
-    dst_fraction: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plan of one block by ``method``: "tome", "importance", or "importance_or_tome" (the
-    in-graph choice of :func:`importance_or_tome_plan`, reading ``has_map``)."""
-    if method == "tome":
-        return tome_plan(metric, choice, h, w, sx, sy, r)
-    assert importance is not None
-    if method == "importance":
-        return importance_plan(metric, importance, dst_key, h, w, r, pool_factor, dst_fraction)
-    assert has_map is not None
-    return importance_or_tome_plan(metric, has_map, importance, dst_key, choice, h, w, sx, sy, r,
-                                   pool_factor, dst_fraction)
-
-
-def plan_or_reuse(
-    reuse: torch.Tensor,
-    slots: torch.Tensor,
-    weights: torch.Tensor,
-    slot_offset: int,
-    weight_offset: int,
-    slot_total: int,
-    weight_total: int,
-    method: str,
-    metric: torch.Tensor,
-    has_map: torch.Tensor | None,
-    importance: torch.Tensor | None,
-    dst_key: torch.Tensor | None,
-    choice: torch.Tensor | None,
-    h: int,
-    w: int,
-    sx: int,
-    sy: int,
-    r: int,
-    pool_factor: float,
-    dst_fraction: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One graph for both kinds of ``plan_every`` call (used by the ONNX export): the block's plan
-    out of the previous call's packed plans (``slots``, ``weights``) when ``reuse`` (a 0-d bool),
-    else made by :func:`make_plan` — a ``torch.cond``, so ONNX gets an ``If`` and a reusing call
-    skips the matching."""
-    optional = (has_map, importance, dst_key, choice)
-    present = tuple(t is not None for t in optional)
-    n = h * w
-    kept = n - r
-
-    def unpack(ops: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
-        it = iter(ops)
-        return [next(it) if here else None for here in present]
-
-    def reused(s: torch.Tensor, wt: torch.Tensor, m: torch.Tensor, *ops: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        slot, weight = unpack_plan(s, wt, m, slot_offset, weight_offset, n, kept, slot_total, weight_total)
-        dense = torch.contiguous_format  # cond's branches must return dense tensors
-        return slot.clone(memory_format=dense), weight.clone(memory_format=dense)
-
-    def made(s: torch.Tensor, wt: torch.Tensor, m: torch.Tensor, *ops: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        slot, weight = make_plan(method, m, *unpack(ops), h, w, sx, sy, r, pool_factor, dst_fraction)
-        return slot.clone(), weight.clone()
-
-    operands = (slots, weights, metric, *(t for t in optional if t is not None))
-    return _cond(reuse, reused, made, operands)
-
-
-def _cond(pred: torch.Tensor, true_fn: Any, false_fn: Any, operands: tuple[torch.Tensor, ...]) -> Any:
-    """``torch.cond`` where it is traced (export, make_fx, Dynamo: ONNX gets an ``If``); a plain
-    branch when the graph runs eagerly. (Eager ``torch.cond`` compiles its branches with Dynamo,
-    which turns the branch functions' static sizes symbolic once a second block with other sizes
-    calls it, and then cannot match the branches' output strides.) Under fake-tensor propagation
-    (the pass's shape check) both branches run; their outputs must agree in shape."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
-    if torch.compiler.is_compiling() or get_proxy_mode() is not None:
-        return torch.cond(pred, true_fn, false_fn, operands)
-    if isinstance(pred, FakeTensor):
-        taken, other = true_fn(*operands), false_fn(*operands)
-        if [tuple(t.shape) for t in taken] != [tuple(t.shape) for t in other]:
-            raise RuntimeError(f"cond branches differ in shape: {[tuple(t.shape) for t in taken]} vs "
-                               f"{[tuple(t.shape) for t in other]}")
-        return other
-    return true_fn(*operands) if bool(pred) else false_fn(*operands)
-
-
 def fit_importance(importance: torch.Tensor, h: int, w: int) -> torch.Tensor:
     """``[P, H, W] -> [P, h, w]``: area interpolation down to a block's grid (as the official code)."""
     if tuple(importance.shape[-2:]) == (h, w):
@@ -498,48 +319,3 @@ def oracle_merge(x: torch.Tensor, r: int) -> torch.Tensor:
 def oracle_unmerge(y: torch.Tensor, r: int) -> torch.Tensor:
     """Benchmark bound: back to ``N`` tokens by repeating the first ``r`` (a plain copy)."""
     return torch.cat([y, y[:, :r]], dim=1)
-
-
-# --- In-graph randomness for deployment (ONNX): a counter-based hash, no Random* op -------------
-# Values stay below 2**31 so every product fits int64 (no overflow in any backend); only integer
-# Mul/Add/Mod/Div, which every ONNX Runtime provider has for int64.
-_HASH_PRIME = 2147483647  # 2**31 - 1
-_HASH_ROUNDS = ((1103515245, 12345), (48271, 2891336453 % _HASH_PRIME), (69621, 7))
-
-
-def _hash_int(x: torch.Tensor) -> torch.Tensor:
-    """Three rounds of an affine step, a squaring and a 16-bit rotation, all mod 2**31 - 1 (affine
-    steps alone compose to one affine map: consecutive counters would give a progression)."""
-    for mul, add in _HASH_ROUNDS:
-        x = (x * mul + add) % _HASH_PRIME
-        x = (x * x + x // 65536) % _HASH_PRIME  # squaring: the non-linear step
-        x = ((x % 65536) * 32768 + x // 65536) % _HASH_PRIME
-    return x
-
-
-def _hash_base(seed: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
-    """``[1]`` int64 from the seed and the step's timestep (its first element; x1000, rounded, so
-    fractional timesteps differ too)."""
-    t = (timestep.reshape(-1)[:1].to(torch.float32) * 1000.0).round().to(torch.int64) % _HASH_PRIME
-    s = seed.reshape(-1)[:1].to(torch.int64) % _HASH_PRIME
-    return _hash_int(_hash_int(s) + t)
-
-
-def hashed_counter(seed: torch.Tensor, timestep: torch.Tensor, n: int) -> torch.Tensor:
-    """``[n]`` int64 in ``[0, 2**31 - 1)``: counter ``i`` hashed with ``(seed, timestep)``.
-    Deterministic for a given (seed, timestep), different across steps and across positions."""
-    counter = torch.arange(n, device=timestep.device, dtype=torch.int64)
-    return _hash_int(_hash_base(seed, timestep) + counter)
-
-
-def hashed_partition(seed: torch.Tensor, timestep: torch.Tensor, n: int, choices: int) -> torch.Tensor:
-    """A destination partition drawn in the graph: ``[n]`` int64 in ``[0, choices)`` (the layout
-    of a drawn ``tome_partition``: every random block's cells, concatenated)."""
-    return (hashed_counter(seed, timestep, n) // 1024) % choices
-
-
-def hashed_keys(seed: torch.Tensor, timestep: torch.Tensor, like: torch.Tensor, m: int) -> torch.Tensor:
-    """Importance's destination keys drawn in the graph: ``[P, m]`` float32 in ``[0, 1)``, the
-    same keys for every CFG pair (``P = like.shape[0]``)."""
-    keys = (hashed_counter(seed, timestep, m) // 128).to(torch.float32) * (1.0 / 2 ** 24)
-    return keys.unsqueeze(0).expand(like.shape[0], m)

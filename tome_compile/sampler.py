@@ -1,17 +1,22 @@
-"""Destination partitions drawn outside the graph, from a dedicated generator.
+"""The random numbers of the merge, drawn outside the graph or hashed inside it.
 
-tomesd draws ``randint(sx*sy, (h//sy, w//sx, 1))`` per block call from a generator it forks off
-the global RNG; inside a compiled graph that would either break the graph or consume the
-sampler's random numbers. Here the caller-side wrapper draws the same numbers, in the same order
-(one draw per rewritten block, in execution order), from a generator of its own, and feeds them
-to the graph as the ``tome_partition`` input.
+Drawn (``PartitionSampler``): tomesd draws ``randint(sx*sy, (h//sy, w//sx, 1))`` per block call
+from a generator it forks off the global RNG; inside a compiled graph that would either break
+the graph or consume the sampler's random numbers. Here the caller-side wrapper draws the same
+numbers, in the same order (one draw per rewritten block, in execution order), from a generator
+of its own, and feeds them to the graph as the ``tome_partition`` input (and importance merging's
+destination keys as ``tome_dst_key``).
+
+Hashed (``hashed_partition``, ``hashed_keys``): the deployment form of the same draws, computed in
+the exported graph from a ``tome_seed`` input and the timestep, so that a plain three-input client
+runs the file as is.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["PartitionSampler"]
+__all__ = ["PartitionSampler", "hashed_counter", "hashed_keys", "hashed_partition"]
 
 
 class PartitionSampler:
@@ -62,3 +67,48 @@ class PartitionSampler:
         g = self.generator(device)
         keys = torch.rand(1, total, generator=g, device=g.device).expand(pairs, total)
         return keys.to(device, non_blocking=True)
+
+
+# --- In-graph randomness for deployment (ONNX): a counter-based hash, no Random* op -------------
+# Values stay below 2**31 so every product fits int64 (no overflow in any backend); only integer
+# Mul/Add/Mod/Div, which every ONNX Runtime provider has for int64.
+_HASH_PRIME = 2147483647  # 2**31 - 1
+_HASH_ROUNDS = ((1103515245, 12345), (48271, 2891336453 % _HASH_PRIME), (69621, 7))
+
+
+def _hash_int(x: torch.Tensor) -> torch.Tensor:
+    """Three rounds of an affine step, a squaring and a 16-bit rotation, all mod 2**31 - 1 (affine
+    steps alone compose to one affine map: consecutive counters would give a progression)."""
+    for mul, add in _HASH_ROUNDS:
+        x = (x * mul + add) % _HASH_PRIME
+        x = (x * x + x // 65536) % _HASH_PRIME  # squaring: the non-linear step
+        x = ((x % 65536) * 32768 + x // 65536) % _HASH_PRIME
+    return x
+
+
+def _hash_base(seed: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+    """``[1]`` int64 from the seed and the step's timestep (its first element; x1000, rounded, so
+    fractional timesteps differ too)."""
+    t = (timestep.reshape(-1)[:1].to(torch.float32) * 1000.0).round().to(torch.int64) % _HASH_PRIME
+    s = seed.reshape(-1)[:1].to(torch.int64) % _HASH_PRIME
+    return _hash_int(_hash_int(s) + t)
+
+
+def hashed_counter(seed: torch.Tensor, timestep: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n]`` int64 in ``[0, 2**31 - 1)``: counter ``i`` hashed with ``(seed, timestep)``.
+    Deterministic for a given (seed, timestep), different across steps and across positions."""
+    counter = torch.arange(n, device=timestep.device, dtype=torch.int64)
+    return _hash_int(_hash_base(seed, timestep) + counter)
+
+
+def hashed_partition(seed: torch.Tensor, timestep: torch.Tensor, n: int, choices: int) -> torch.Tensor:
+    """A destination partition drawn in the graph: ``[n]`` int64 in ``[0, choices)`` (the layout
+    of a drawn ``tome_partition``: every random block's cells, concatenated)."""
+    return (hashed_counter(seed, timestep, n) // 1024) % choices
+
+
+def hashed_keys(seed: torch.Tensor, timestep: torch.Tensor, like: torch.Tensor, m: int) -> torch.Tensor:
+    """Importance's destination keys drawn in the graph: ``[P, m]`` float32 in ``[0, 1)``, the
+    same keys for every CFG pair (``P = like.shape[0]``)."""
+    keys = (hashed_counter(seed, timestep, m) // 128).to(torch.float32) * (1.0 / 2 ** 24)
+    return keys.unsqueeze(0).expand(like.shape[0], m)

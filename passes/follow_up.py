@@ -1,0 +1,252 @@
+"""Follow-up passes: forms of the canonical ToMe graph, each a small rewrite of what
+:func:`~tome_compile.passes.merge_self_attention` tagged.
+
+The pass always emits one form: every random number is a graph input (``tome_partition``,
+``tome_dst_key``, drawn by the caller) and no plan outlives its call. A follow-up pass is a plain
+function ``(gm, result) -> result`` that changes that form in place and returns the updated
+:class:`~tome_compile.passes.ToMeResult`:
+
+* :func:`hash_random` — the deployment form of the random draws: one ``tome_seed`` input, the
+  partition and keys hashed in the graph from it and the timestep (the ONNX export);
+* :func:`keep_plans` — the plans the graph made, packed, as two more outputs (``plan_every``'s
+  planning graphs under ``tome_backend``; the export's one-graph form);
+* :func:`reuse_plans` — every plan taken from two inputs (an earlier call's kept plans) instead
+  of made: no matching, nothing drawn (``plan_every``'s reusing graphs);
+* :func:`either_plans` — one graph for both: a ``tome_reuse_plan`` input picks per call whether
+  each block reuses the fed plan or makes one (``torch.cond``: an ONNX ``If``), and the plans used
+  are returned (the export's ``plan_every`` form).
+
+A new form of the graph is one more function here, composed after the pass by its caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+from tome_compile.passes.merge_self_attention import (
+    PLAN_SLOTS,
+    PLAN_WEIGHTS,
+    REUSE_INPUT,
+    SEED_INPUT,
+    ToMeResult,
+    ToMeSite,
+)
+from torch import fx
+
+from tome_compile import merge as _merge
+from tome_compile import plans as _plans
+from tome_compile import sampler as _sampler
+from tome_compile.errors import ToMeRewriteError
+from tome_compile.inputs import ToMeInputSpec
+from tome_compile.plans import PlanGeometry, PlanSlice
+
+__all__ = ["either_plans", "hash_random", "keep_plans", "reuse_plans"]
+
+
+def _inputs_by_draw(graph: fx.Graph) -> dict[str, fx.Node]:
+    return {n.meta["tome"]["spec"].draw: n for n in graph.nodes
+            if n.op == "placeholder" and "spec" in n.meta.get("tome", {})}
+
+
+def _noted(result: ToMeResult, note: str) -> list[ToMeSite]:
+    """The sites' rows with ``note`` added to each block that has a plan of its own or shared."""
+    return [dataclasses.replace(s, reason=s.reason + note) if s.rewritten and s.targets else s
+            for s in result.sites]
+
+
+def hash_random(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
+    """Replace the drawn ``tome_partition`` / ``tome_dst_key`` inputs with one ``tome_seed`` input
+    (int64 scalar, in their place among the inputs) and the same numbers' hashed form computed in
+    the graph from the seed and the timestep (:func:`tome_compile.sampler.hashed_partition`,
+    :func:`~tome_compile.sampler.hashed_keys`): deterministic per (seed, timestep), different
+    across steps and blocks, no ``Random*`` op. A graph that draws nothing is returned as is."""
+    graph = gm.graph
+    inputs = _inputs_by_draw(graph)
+    drawn = [inputs[d] for d in ("dst_key", "partition") if d in inputs]
+    if not drawn:
+        return result
+    if result.io is None or result.io.timestep_index is None:
+        raise ToMeRewriteError("in-graph random destinations need the timestep as a graph input; "
+                               "none was found (export with partition_input=True to take tome_partition)")
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    timestep = placeholders[result.io.timestep_index]
+    first = min(drawn, key=placeholders.index)
+    spec = ToMeInputSpec(SEED_INPUT, (), torch.int64, "seed")
+    with graph.inserting_before(first):
+        seed = graph.placeholder(spec.name)
+    seed.meta["tome"] = {"role": "input", "spec": spec}
+    with graph.inserting_after(placeholders[-1]):
+        for node in drawn:
+            old = node.meta["tome"]["spec"]
+            if old.draw == "dst_key":
+                value = graph.call_function(_sampler.hashed_keys,
+                                            (seed, timestep, inputs["importance"], old.shape[1]))
+            else:
+                value = graph.call_function(_sampler.hashed_partition,
+                                            (seed, timestep, old.shape[0], old.choices))
+            value.meta["tome"] = {"role": "plan", "site": "hashed"}
+            node.replace_all_uses_with(value)
+            graph.erase_node(node)
+    gone = {n.name for n in drawn}
+    specs: list[ToMeInputSpec] = []
+    for s in result.inputs:
+        if s.name not in gone:
+            specs.append(s)
+        elif spec not in specs:
+            specs.append(spec)
+    graph.lint()
+    gm.recompile()
+    note = "; destinations hashed from (tome_seed, timestep) in the graph"
+    return dataclasses.replace(result, inputs=specs, sites=_noted(result, note))
+
+
+def _own_plans(graph: fx.Graph) -> list[tuple[fx.Node, PlanGeometry]]:
+    """The plan nodes of the blocks that make a plan (not those that share one), in execution
+    order, with their sizes: what the rewrite tagged."""
+    slots = [n for n in graph.nodes if n.meta.get("tome", {}).get("made") and n.args[1] == 0]
+    return [(n.args[0], n.args[0].meta["tome"]["geometry"]) for n in slots]
+
+
+def _state_specs(result: ToMeResult, plans: list[tuple[fx.Node, PlanGeometry]]) -> list[ToMeInputSpec]:
+    """The packed plans' specs, flat ``[B * sum N]`` / ``[B * sum (N - r)]``."""
+    b = result.plan_batch
+    if b is None:
+        raise ToMeRewriteError("plan_every needs a batch size known when the graph is rewritten")
+    tokens, kept = sum(g.tokens for _, g in plans), sum(g.kept for _, g in plans)
+    return [ToMeInputSpec(PLAN_SLOTS, (b * tokens,), torch.int64, "plan_slot"),
+            ToMeInputSpec(PLAN_WEIGHTS, (b * kept,), torch.float32, "plan_weight")]
+
+
+def _plan_every_note(result: ToMeResult, what: str) -> list[ToMeSite]:
+    plan_every = result.config.plan_every if result.config is not None else "?"
+    return _noted(result, f"; {what} (plan_every={plan_every})")
+
+
+def keep_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
+    """Return the plans the graph made after the model's own outputs, packed
+    (:func:`tome_compile.plans.pack_plans`): ``tome_plan_slots_out`` ``[B * sum N]`` int64 and
+    ``tome_plan_weights_out`` ``[B * sum (N - r)]`` float32, the blocks in execution order — what
+    a graph that reuses them takes as ``tome_plan_slots`` / ``tome_plan_weights``."""
+    if result.plan_state is not None or result.outputs:
+        raise ToMeRewriteError(f"keep_plans: the graph's plans are not its own (plan_state="
+                               f"{result.plan_state!r}) or already returned")
+    made = [n for n in gm.graph.nodes if n.meta.get("tome", {}).get("made")]
+    if not made:
+        return result  # nothing planned (oracle, nothing rewritten): no state to keep
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    values = output.args[0]
+    if not isinstance(values, (tuple, list)):
+        raise ToMeRewriteError(f"plan_every: the graph returns {type(values).__name__}, not a tuple of "
+                               "outputs; cannot append the plan state")
+    outputs = [dataclasses.replace(s, name=s.fed_from) for s in _state_specs(result, _own_plans(gm.graph))]
+    with gm.graph.inserting_before(output):
+        packed = gm.graph.call_function(_plans.pack_plans, tuple(made))
+        parts = [gm.graph.call_function(operator.getitem, (packed, k)) for k in range(len(outputs))]
+    for node in (packed, *parts):
+        node.meta["tome"] = {"role": "state", "site": "plans"}
+    output.args = (type(values)([*values, *parts]),)
+    gm.graph.lint()
+    gm.recompile()
+    return dataclasses.replace(result, outputs=outputs, plan_state="make",
+                               sites=_plan_every_note(result, "plan kept for the next calls"))
+
+
+def reuse_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
+    """Take every block's plan from ``tome_plan_slots`` / ``tome_plan_weights`` inputs (what a
+    :func:`keep_plans` graph returned, :func:`tome_compile.plans.unpack_plan`) instead of making
+    it: the matching, and the inputs only it read (partition, keys, importance map), are removed."""
+    if result.plan_state is not None:
+        raise ToMeRewriteError(f"reuse_plans: the graph already has plan state ({result.plan_state!r})")
+    own = _own_plans(gm.graph)
+    if not own:
+        return result
+    graph = gm.graph
+    specs = _state_specs(result, own)
+    state = _append_inputs(graph, specs)
+    for (node, geometry), where in zip(own, _slices(own), strict=True):
+        with graph.inserting_before(node):
+            fed = graph.call_function(_plans.unpack_plan, (*state, node.args[0], where, geometry))
+        _replace(node, fed)
+    _drop_unused(graph)
+    left = {n.name for n in graph.nodes if n.op == "placeholder"}
+    graph.lint()
+    gm.recompile()
+    return dataclasses.replace(result, inputs=[s for s in result.inputs if s.name in left] + specs,
+                               plan_state="reuse", sites=_plan_every_note(result, "plan of an earlier call"))
+
+
+def _drop_unused(graph: fx.Graph) -> None:
+    """Erase the pass's nodes and inputs that nothing reads any more (a narrowed partition, a
+    fitted map, then their inputs), last first so that chains go in one sweep."""
+    for node in reversed(list(graph.nodes)):
+        tag = node.meta.get("tome", {})
+        if not node.users and tag.get("role") in ("plan", "input"):
+            graph.erase_node(node)
+
+
+
+# How to call plans.make_plan / plan_or_reuse for a plan node the rewrite made: its method, its
+# metric and choice, and the importance inputs (the positional arguments of each plan function).
+_MAKERS = {
+    _merge.tome_plan: lambda a: ("tome", a[0], a[1], {}),
+    _merge.importance_plan: lambda a: ("importance", a[0], None, {"importance": a[1], "dst_key": a[2]}),
+    _plans.importance_or_tome_plan: lambda a: ("importance_or_tome", a[0], a[4],
+                                              {"has_map": a[1], "importance": a[2], "dst_key": a[3]}),
+}
+
+
+def either_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
+    """One graph for both kinds of ``plan_every`` call: ``tome_plan_slots``, ``tome_plan_weights``
+    and ``tome_reuse_plan`` (0-d bool) inputs; each block's plan is
+    :func:`tome_compile.plans.plan_or_reuse` (an ONNX ``If``: a reusing call skips the matching)
+    and the plans used are returned (:func:`keep_plans`), so a client feeds them back."""
+    if result.plan_state is not None:
+        raise ToMeRewriteError(f"either_plans: the graph already has plan state ({result.plan_state!r})")
+    own = _own_plans(gm.graph)
+    if not own:
+        return result
+    graph = gm.graph
+    specs = [*_state_specs(result, own), ToMeInputSpec(REUSE_INPUT, (), torch.bool, "reuse")]
+    slots, weights, reuse = _append_inputs(graph, specs)
+    for (node, geometry), where in zip(own, _slices(own), strict=True):
+        method, metric, choice, maps = _MAKERS[node.target](node.args)
+        with graph.inserting_before(node):
+            args = (reuse, slots, weights, where, method, metric, choice, geometry)
+            either = graph.call_function(_plans.plan_or_reuse, args, maps)
+        _replace(node, either)
+    graph.lint()
+    gm.recompile()
+    kept = keep_plans(gm, dataclasses.replace(result, inputs=[*result.inputs, *specs]))
+    return dataclasses.replace(kept, plan_state="either",
+                               sites=_noted(result, f"; plan made or reused per call ({REUSE_INPUT})"))
+
+
+def _append_inputs(graph: fx.Graph, specs: list[ToMeInputSpec]) -> list[fx.Node]:
+    """Placeholders for ``specs`` after the graph's last input, in order, tagged like the pass's."""
+    nodes = []
+    for spec in specs:
+        last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        with graph.inserting_after(last):
+            node = graph.placeholder(spec.name)
+        node.meta["tome"] = {"role": "input", "spec": spec}
+        nodes.append(node)
+    return nodes
+
+
+def _slices(own: list[tuple[fx.Node, PlanGeometry]]) -> list[PlanSlice]:
+    """Where each plan sits in the packed state: running offsets, in the order keep_plans packs."""
+    slot_total, weight_total = sum(g.tokens for _, g in own), sum(g.kept for _, g in own)
+    out, slot_offset, weight_offset = [], 0, 0
+    for _, g in own:
+        out.append(PlanSlice(slot_offset, weight_offset, slot_total, weight_total))
+        slot_offset, weight_offset = slot_offset + g.tokens, weight_offset + g.kept
+    return out
+
+
+def _replace(node: fx.Node, new: fx.Node) -> None:
+    """``new`` in place of the plan node ``node`` (its tags — site, sizes — carried over)."""
+    new.meta["tome"] = dict(node.meta["tome"])
+    node.replace_all_uses_with(new)
+    node.graph.erase_node(node)

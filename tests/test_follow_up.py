@@ -1,0 +1,113 @@
+"""Follow-up passes (issue #19): the canonical pass emits drawn inputs and no plan state; the
+deployment forms are small passes over what it tagged — ``hash_random`` (the export) and
+``keep_plans`` (plan_every's planning graphs)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from conftest import dynamo_graph
+from tome_compile.passes.follow_up import hash_random, keep_plans, reuse_plans
+
+from tome_compile import ToMeConfig, merge_self_attention
+from tome_compile.errors import ToMeRewriteError
+from tome_compile.merge import fit_importance, tome_plan
+from tome_compile.plans import pack_plans, unpack_plan
+from tome_compile.sampler import hashed_partition
+
+CONFIG = ToMeConfig(ratio=0.5, max_downsample=2)
+
+
+def calls(gm, fn):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is fn]
+
+
+def run(gm, args):
+    with torch.no_grad():
+        return gm(*args)
+
+
+def test_hash_random_turns_the_drawn_partition_into_a_seed(sd15):
+    unet, inputs = sd15
+    gm = dynamo_graph(unet, inputs)
+    args = list(gm.graph_args)
+    drawn = merge_self_attention(gm, CONFIG)
+    assert drawn.input_names == ["tome_partition"]
+    (spec,) = drawn.inputs
+    drawn_gm = copy.deepcopy(gm)
+
+    hashed = hash_random(gm, drawn)
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    assert hashed.input_names == ["tome_seed"] and placeholders[-1] == "tome_seed"
+    assert "tome_partition" not in placeholders and len(calls(gm, hashed_partition)) == 1
+    assert hashed.count_nodes("merge") == drawn.count_nodes("merge") == 4
+    assert all("destinations hashed from (tome_seed, timestep)" in s.reason for s in hashed.rewritten)
+
+    # the hashed graph is the drawn graph fed hashed_partition(seed, timestep), bit for bit
+    timestep = args[hashed.io.timestep_index]
+    partition = hashed_partition(torch.tensor(5), timestep, spec.shape[0], spec.choices)
+    got = run(gm, [*args, torch.tensor(5)])[0]
+    assert torch.equal(got, run(drawn_gm, [*args, partition])[0])
+    assert not torch.equal(got, run(gm, [*args, torch.tensor(6)])[0])  # another seed, other merges
+
+
+def test_hash_random_leaves_a_graph_that_draws_nothing_and_needs_a_timestep(sd15):
+    unet, inputs = sd15
+    gm = dynamo_graph(unet, inputs)
+    fixed = merge_self_attention(gm, CONFIG.replace(use_rand=False))
+    code = gm.code
+    assert hash_random(gm, fixed) is fixed and gm.code == code and not fixed.inputs
+
+    gm = dynamo_graph(unet, inputs)
+    drawn = merge_self_attention(gm, CONFIG)
+    with pytest.raises(ToMeRewriteError, match="need the timestep as a graph input"):
+        hash_random(gm, dataclasses.replace(drawn, io=None))
+
+
+def test_keep_plans_returns_the_plans_a_reusing_graph_reproduces(sd15):
+    unet, inputs = sd15
+    config = CONFIG.replace(plan_every=2)
+    gm = dynamo_graph(unet, inputs)
+    args = list(gm.graph_args)
+    canonical = merge_self_attention(gm, config)
+    plain_out = copy.deepcopy(gm)
+
+    kept = keep_plans(gm, canonical)
+    assert [s.name for s in kept.outputs] == ["tome_plan_slots_out", "tome_plan_weights_out"]
+    assert kept.plan_state == "make" and len(calls(gm, pack_plans)) == 1 and kept.inputs == canonical.inputs
+    partition = torch.randint(4, canonical.inputs[0].shape)
+    out, slots, weights = run(gm, [*args, partition])
+    assert torch.equal(out, run(plain_out, [*args, partition])[0])  # the model's output unchanged
+    assert slots.shape == kept.outputs[0].shape and weights.shape == kept.outputs[1].shape
+
+    reuse_gm = dynamo_graph(unet, inputs)
+    reuse = merge_self_attention(reuse_gm, config, plan_state="reuse")
+    assert torch.equal(run(reuse_gm, [*args, slots, weights])[0], out)  # the same plans, the same output
+
+    # negative: a graph whose plans are fed, or that returns them already, is refused
+    with pytest.raises(ToMeRewriteError, match="plans are not its own"):
+        keep_plans(reuse_gm, reuse)
+    with pytest.raises(ToMeRewriteError, match="already returned"):
+        keep_plans(gm, kept)
+
+
+def test_reuse_plans_drops_the_matching_and_what_only_it_read(sd15):
+    unet, inputs = sd15
+    gm = dynamo_graph(unet, inputs)
+    importance = merge_self_attention(gm, CONFIG.replace(method="importance", plan_every=2))
+    assert importance.input_names == ["tome_importance", "tome_dst_key"] and calls(gm, fit_importance)
+    reused = reuse_plans(gm, importance)
+    # the map, the keys and every fitted copy of the map are gone with the matching
+    assert reused.input_names == ["tome_plan_slots", "tome_plan_weights"] and not calls(gm, fit_importance)
+    assert len(calls(gm, unpack_plan)) == 4 and reused.count_nodes("merge") == 4
+    assert reused.plan_state == "reuse"
+    assert all("plan of an earlier call (plan_every=2)" in s.reason for s in reused.rewritten)
+    with pytest.raises(ToMeRewriteError, match="already has plan state"):
+        reuse_plans(gm, reused)
+
+    gm = dynamo_graph(unet, inputs)
+    oracle = merge_self_attention(gm, CONFIG, oracle=True)  # no plan to feed: left as it is
+    assert reuse_plans(gm, oracle) is oracle and not calls(gm, tome_plan)

@@ -1,0 +1,197 @@
+"""Plan operations the rewritten graph calls: one block's plan by method, the in-graph choices
+between plans (``torch.cond``: an ONNX ``If``), and the packed plan state of ``plan_every``.
+
+The math is in :mod:`tome_compile.merge`, the random numbers in :mod:`tome_compile.sampler`; this
+module only decides which math runs and moves plans in and out of the packed state. A block's
+static sizes travel as one :class:`PlanGeometry` and its place in the packed state as one
+:class:`PlanSlice` (NamedTuples: the graph's generated code writes them back as constructors).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from tome_compile import merge as _merge
+
+__all__ = [
+    "PlanGeometry",
+    "PlanSlice",
+    "importance_or_tome_plan",
+    "make_plan",
+    "pack_plans",
+    "plan_or_reuse",
+    "unpack_plan",
+]
+
+
+class PlanGeometry(NamedTuple):
+    """The static sizes of one block's plan: its ``h × w`` token grid, tomesd's ``sx × sy``
+    destination stride, ``r`` tokens merged away, and importance merging's pool settings."""
+
+    h: int
+    w: int
+    sx: int
+    sy: int
+    r: int
+    pool_factor: float
+    dst_fraction: float
+
+    @property
+    def tokens(self) -> int:
+        return self.h * self.w
+
+    @property
+    def kept(self) -> int:
+        """Tokens after the merge: the plan's ``weight`` rows."""
+        return self.h * self.w - self.r
+
+    @property
+    def cells(self) -> int:
+        """Destination cells of ToMe's grid (one destination each)."""
+        return _merge.partition_cells(self.h, self.w, self.sx, self.sy)
+
+    @property
+    def tome_r(self) -> int:
+        """``r`` capped at ToMe's sources (importance merging's ``r`` may exceed them)."""
+        return min(self.r, self.tokens - self.cells)
+
+
+class PlanSlice(NamedTuple):
+    """Where one block's plan sits in the packed plans (:func:`pack_plans`): the offsets of its
+    slot and weight columns, and the row lengths of the two packed tensors."""
+
+    slot_offset: int
+    weight_offset: int
+    slot_total: int
+    weight_total: int
+
+
+def make_plan(method: str, metric: torch.Tensor, choice: torch.Tensor | None, geometry: PlanGeometry, *,
+              has_map: torch.Tensor | None = None, importance: torch.Tensor | None = None,
+              dst_key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan of one block by ``method``: "tome", "importance", or "importance_or_tome" (the
+    in-graph choice of :func:`importance_or_tome_plan`, reading ``has_map``)."""
+    g = geometry
+    if method == "tome":
+        return _merge.tome_plan(metric, choice, g.h, g.w, g.sx, g.sy, g.r)
+    if importance is None:
+        raise ValueError(f"make_plan({method!r}) needs the importance map")
+    if method == "importance":
+        return _merge.importance_plan(metric, importance, dst_key, g.h, g.w, g.r, g.pool_factor,
+                                      g.dst_fraction)
+    if has_map is None:
+        raise ValueError(f"make_plan({method!r}) needs the has_map flag")
+    return importance_or_tome_plan(metric, has_map, importance, dst_key, choice, g)
+
+
+def importance_or_tome_plan(metric: torch.Tensor, has_map: torch.Tensor, importance: torch.Tensor,
+                            dst_key: torch.Tensor | None, choice: torch.Tensor | None, geometry: PlanGeometry
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One graph for both steps of importance merging (used by the ONNX export):
+    ``importance_plan`` when ``has_map`` (a 0-d bool tensor), else ``tome_plan`` — a
+    ``torch.cond``, so ONNX gets an ``If`` and only the taken branch runs. Both plans have the
+    same shapes (``[B, N]``, ``[B, N - r, 1]``) whatever their destination counts."""
+    g = geometry
+    optional = (dst_key, choice)
+    present = tuple(t is not None for t in optional)
+
+    def unpack(ops: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
+        it = iter(ops)
+        return [next(it) if here else None for here in present]
+
+    Plan = tuple[torch.Tensor, torch.Tensor]
+
+    def with_map(m: torch.Tensor, imp: torch.Tensor, *ops: torch.Tensor) -> Plan:
+        key, _ = unpack(ops)
+        slot, weight = _merge.importance_plan(m, imp, key, g.h, g.w, g.r, g.pool_factor, g.dst_fraction)
+        return slot.clone(), weight.clone()
+
+    def without_map(m: torch.Tensor, imp: torch.Tensor, *ops: torch.Tensor) -> Plan:
+        _, ch = unpack(ops)
+        slot, weight = _merge.tome_plan(m, ch, g.h, g.w, g.sx, g.sy, g.tome_r)
+        return slot.clone(), weight.clone()
+
+    operands = (metric, importance, *(t for t in optional if t is not None))
+    return _cond(has_map, with_map, without_map, operands)
+
+
+def pack_plans(*plans: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plan state (``plan_every``): ``slot_0, weight_0, slot_1, weight_1, ...`` of the blocks that
+    make a plan -> ``(slots [B * sum N_i] int64, weights [B * sum (N_i - r_i)] float32)``: one pair
+    of flat tensors whatever the number of blocks, so one graph output / input pair carries them
+    all. (Flat, so that a deployed graph takes its batch from ``sample`` alone, and an empty
+    default can stand for "no plans yet".)"""
+    slots, weights = plans[0::2], plans[1::2]
+    return (torch.cat(list(slots), dim=1).reshape(-1),
+            torch.cat([w.squeeze(-1).to(torch.float32) for w in weights], dim=1).reshape(-1))
+
+
+def unpack_plan(slots: torch.Tensor, weights: torch.Tensor, like: torch.Tensor, where: PlanSlice,
+                geometry: PlanGeometry) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's plan ``(slot [B, N], weight [B, N - r, 1])`` out of :func:`pack_plans`' tensors;
+    ``B`` is ``like``'s batch, weights in ``like``'s dtype."""
+    # The fed plans must have ``like``'s batch, checked in every backend: a Concat with a [B, 1]
+    # column refuses rows of another batch, and the column's Add with the rows' first column
+    # refuses empty plans (ONNX Runtime's Concat skips an empty input; a Reshape(-1) / Slice /
+    # Gather alone would broadcast a batch-1 plan to the batch or clamp silently).
+    b = like.shape[0]
+    zero = like[:, :1, 0].to(torch.int64) * 0  # [B, 1]
+    rows = slots.reshape(b, where.slot_total)
+    slot = torch.cat([rows, zero + rows[:, :1] * 0], dim=1).narrow(1, where.slot_offset, geometry.tokens)
+    rows_w = weights.reshape(b, where.weight_total)
+    weight = torch.cat([rows_w, zero.to(weights.dtype) + rows_w[:, :1] * 0], dim=1)
+    weight = weight.narrow(1, where.weight_offset, geometry.kept).unsqueeze(-1).to(like.dtype)
+    return slot, weight
+
+
+def plan_or_reuse(reuse: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, where: PlanSlice,
+                  method: str, metric: torch.Tensor, choice: torch.Tensor | None, geometry: PlanGeometry, *,
+                  has_map: torch.Tensor | None = None, importance: torch.Tensor | None = None,
+                  dst_key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One graph for both kinds of ``plan_every`` call (used by the ONNX export): the block's plan
+    out of the previous call's packed plans (``slots``, ``weights``) when ``reuse`` (a 0-d bool),
+    else made by :func:`make_plan` — a ``torch.cond``, so ONNX gets an ``If`` and a reusing call
+    skips the matching."""
+    optional = (choice, has_map, importance, dst_key)
+    present = tuple(t is not None for t in optional)
+
+    def unpack(ops: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
+        it = iter(ops)
+        return [next(it) if here else None for here in present]
+
+    def reused(s: torch.Tensor, wt: torch.Tensor, m: torch.Tensor, *ops: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        slot, weight = unpack_plan(s, wt, m, where, geometry)
+        dense = torch.contiguous_format  # cond's branches must return dense tensors
+        return slot.clone(memory_format=dense), weight.clone(memory_format=dense)
+
+    def made(s: torch.Tensor, wt: torch.Tensor, m: torch.Tensor, *ops: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        ch, flag, imp, key = unpack(ops)
+        slot, weight = make_plan(method, m, ch, geometry, has_map=flag, importance=imp, dst_key=key)
+        return slot.clone(), weight.clone()
+
+    operands = (slots, weights, metric, *(t for t in optional if t is not None))
+    return _cond(reuse, reused, made, operands)
+
+
+def _cond(pred: torch.Tensor, true_fn: Any, false_fn: Any, operands: tuple[torch.Tensor, ...]) -> Any:
+    """``torch.cond`` where it is traced (export, make_fx, Dynamo: ONNX gets an ``If``); a plain
+    branch when the graph runs eagerly. (Eager ``torch.cond`` compiles its branches with Dynamo,
+    which turns the branch functions' static sizes symbolic once a second block with other sizes
+    calls it, and then cannot match the branches' output strides.) Under fake-tensor propagation
+    (the pass's shape check) both branches run; their outputs must agree in shape."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    if torch.compiler.is_compiling() or get_proxy_mode() is not None:
+        return torch.cond(pred, true_fn, false_fn, operands)
+    if isinstance(pred, FakeTensor):
+        taken, other = true_fn(*operands), false_fn(*operands)
+        if [tuple(t.shape) for t in taken] != [tuple(t.shape) for t in other]:
+            raise RuntimeError(f"cond branches differ in shape: {[tuple(t.shape) for t in taken]} vs "
+                               f"{[tuple(t.shape) for t in other]}")
+        return other
+    return true_fn(*operands) if bool(pred) else false_fn(*operands)
