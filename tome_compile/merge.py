@@ -301,9 +301,14 @@ def importance_pool_size(n: int, r: int, pool_factor: float, dst_fraction: float
 def merge_tokens(x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``[B, N, C] -> [B, N - r, C]``: the mean of the tokens of each slot."""
     b, n, c = x.shape
-    out = torch.zeros(b, weight.shape[1], c, dtype=x.dtype, device=x.device)
+    # The zeros the sums start from are read off this merge's own plan (``weight`` is 1 / count:
+    # positive and finite, so ``weight * 0`` is exactly 0): a shape-only ``torch.zeros`` is the
+    # same expression in every block with these sizes, which the ONNX exporter emits once and
+    # keeps alive from the first merge of the U-Net to the last (at the peak of an ORT call).
+    weight = weight.to(x.dtype)
+    out = (weight * 0).expand(b, weight.shape[1], c)
     out = out.scatter_add(1, slot.unsqueeze(-1).expand(b, n, c), x)
-    return out * weight.to(x.dtype)
+    return out * weight
 
 
 def unmerge_tokens(y: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
