@@ -312,7 +312,7 @@ def test_sdxl_fp16_export_into_an_optimum_folder_optimized(tmp_path, capsys):
         "time_ids",
     ]
     assert session.dtype == torch.float16 and session.meta.dtype == "float16"
-    # the fp32 Casts of each merge's zeros stay with their merge after ORT's optimizer (#20)
+    # each merge has zeros of its own in the optimised fp16 file too (#20)
     assert shared_merge_zeros(onnx.load(str(folder / "unet" / "model.onnx"), load_external_data=False)) == []
     inputs = tiny_inputs(unet)
     half = copy.copy(inputs)
