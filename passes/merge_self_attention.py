@@ -535,13 +535,14 @@ def merge_self_attention(
     kept, specs, failures = _apply(gm, plans, config, mode, latent, hint, validate) if plans else ([], [], {})
     report = _report(found, decisions, kept, failures, config, mode)
     result = ToMeResult(graph_module=gm, modified=bool(kept), sites=report, inputs=specs, latent_hw=latent,
-                        batch=batch,
-                        guidance=mode.guidance if kept else None,
+                        batch=batch, guidance=mode.guidance if kept else None,
                         method=mode.method if kept else (method or config.method), io=io, config=config,
                         plan_batch=hint)
-    if not kept or plan_state is None or oracle:
-        return result
-    # plan state is a form of the canonical graph: one of the follow-up passes
+    return _plan_state_form(gm, result, plan_state) if kept and plan_state and not oracle else result
+
+
+def _plan_state_form(gm: fx.GraphModule, result: ToMeResult, plan_state: str) -> ToMeResult:
+    """``plan_state`` is a form of the canonical graph: the follow-up pass that makes it."""
     from tome_compile.passes import follow_up  # (it imports this module)
 
     form = {"make": follow_up.keep_plans, "reuse": follow_up.reuse_plans, "either": follow_up.either_plans}
