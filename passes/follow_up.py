@@ -157,9 +157,7 @@ def reuse_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
     """Take every block's plan from ``tome_plan_slots`` / ``tome_plan_weights`` inputs (what a
     :func:`keep_plans` graph returned, :func:`tome_compile.plans.unpack_plan`) instead of making
     it: the matching, and the inputs only it read (partition, keys, importance map), are removed."""
-    if result.plan_state is not None:
-        raise ToMeRewriteError(f"reuse_plans: the graph already has plan state ({result.plan_state!r})")
-    own = _own_plans(gm.graph)
+    own = _replaceable_plans(gm, result, "reuse_plans")
     if not own:
         return result
     graph = gm.graph
@@ -177,6 +175,14 @@ def reuse_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
                                plan_state="reuse", sites=_plan_every_note(result, "plan of an earlier call"))
 
 
+def _replaceable_plans(gm: fx.GraphModule, result: ToMeResult, who: str
+                       ) -> list[tuple[fx.Node, PlanGeometry]]:
+    """The graph's own plan nodes, for a pass that replaces them; refused when it has plan state."""
+    if result.plan_state is not None:
+        raise ToMeRewriteError(f"{who}: the graph already has plan state ({result.plan_state!r})")
+    return _own_plans(gm.graph)
+
+
 def _drop_unused(graph: fx.Graph) -> None:
     """Erase the pass's nodes and inputs that nothing reads any more (a narrowed partition, a
     fitted map, then their inputs), last first so that chains go in one sweep."""
@@ -184,7 +190,6 @@ def _drop_unused(graph: fx.Graph) -> None:
         tag = node.meta.get("tome", {})
         if not node.users and tag.get("role") in ("plan", "input"):
             graph.erase_node(node)
-
 
 
 # How to call plans.make_plan / plan_or_reuse for a plan node the rewrite made: its method, its
@@ -202,9 +207,7 @@ def either_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
     and ``tome_reuse_plan`` (0-d bool) inputs; each block's plan is
     :func:`tome_compile.plans.plan_or_reuse` (an ONNX ``If``: a reusing call skips the matching)
     and the plans used are returned (:func:`keep_plans`), so a client feeds them back."""
-    if result.plan_state is not None:
-        raise ToMeRewriteError(f"either_plans: the graph already has plan state ({result.plan_state!r})")
-    own = _own_plans(gm.graph)
+    own = _replaceable_plans(gm, result, "either_plans")
     if not own:
         return result
     graph = gm.graph
