@@ -74,10 +74,10 @@ def _replace_literal_tokens(nodes: Sequence[fx.Node], n: int, n_after: int) -> i
     return changed
 
 
-def _plan(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: BlockInputs) -> fx.Node:
+def _plan(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: BlockInputs, geometry: PlanGeometry
+          ) -> fx.Node:
     """The plan node ``(slot, weight)`` of the block, right after the attention input."""
     (h, w), r, path = plan.grid, plan.merged, plan.site.path
-    geometry = PlanGeometry(h, w, config.sx, config.sy, r, config.pool_factor, config.dst_fraction)
 
     def call(fn: Any, *args: Any, **kwargs: Any) -> fx.Node:
         return _tag(graph.call_function(fn, args, kwargs), path, "plan")
@@ -130,12 +130,13 @@ def rewrite_block(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: Bloc
     elif io.method != "oracle":
         # inserting_before(next) keeps creation order (inserting_after(n) would reverse it)
         with graph.inserting_before(plan.site.input.next):
-            node = _plan(graph, plan, config, io)
-            node.meta["tome"]["geometry"] = PlanGeometry(*plan.grid, config.sx, config.sy, plan.merged,
-                                                         config.pool_factor, config.dst_fraction)
+            geometry = PlanGeometry(*plan.grid, config.sx, config.sy, plan.merged, config.pool_factor,
+                                    config.dst_fraction)
+            node = _plan(graph, plan, config, io, geometry)
+            node.meta["tome"]["geometry"] = geometry  # what the follow-up passes read
             slot = _tag(graph.call_function(operator.getitem, (node, 0)), plan.site.path, "plan")
             weight = _tag(graph.call_function(operator.getitem, (node, 1)), plan.site.path, "plan")
-        # what the follow-up passes read: this block's own plan (its sizes on the plan node)
+        # and which getitems are this block's own plan (a block that shares one has none)
         slot.meta["tome"]["made"] = weight.meta["tome"]["made"] = True
         last = weight
     for target in plan.targets:
