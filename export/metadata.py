@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeExportError
 from tome_compile.inputs import ToMeInputSpec
 
@@ -28,7 +29,6 @@ class ExportMetadata:
     tome_inputs: list[ToMeInputSpec] = field(default_factory=list)  # the ones the pass appended
     output: str = "out_sample"
     tome_outputs: list[ToMeInputSpec] = field(default_factory=list)  # plan_every's plans, fed back
-    plan_every: int = 1
     batch: int | str = "dynamic"
     height: int | None = None
     width: int | None = None
@@ -52,6 +52,11 @@ class ExportMetadata:
     int32_scatter_indices: int = 0
     optional_inputs: list[str] = field(default_factory=list)
     fused_attention: int = 0
+
+    def tome_config(self) -> ToMeConfig:
+        """The :class:`ToMeConfig` the file was exported with (the defaults for a plain U-Net)."""
+        names = {f.name for f in dataclasses.fields(ToMeConfig)}
+        return ToMeConfig(**{k: v for k, v in self.config.items() if k in names})
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)

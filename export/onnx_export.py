@@ -40,7 +40,7 @@ from tome_compile.export.metadata import METADATA_KEY, ExportMetadata
 from tome_compile.export.ort_optimizer import optimize_for_ort
 from tome_compile.export.parity import default_providers
 from tome_compile.passes import ToMeResult, find_unet_io, merge_self_attention
-from tome_compile.passes.follow_up import either_plans, hash_random
+from tome_compile.passes.follow_up import either_plans, fallback_plans, hash_random
 from tome_compile.passes.merge_self_attention import nothing_rewritten
 from tome_compile.passes.sites import node_shape as _sites_node_shape
 from torch import fx
@@ -569,14 +569,13 @@ def _stage_trace(run: _Run) -> None:
 
 
 def _stage_rewrite(run: _Run) -> None:
-    # One graph for both kinds of importance step: a tome_has_map input picks the plan (ONNX If).
-    # plan_every: one graph that makes or reuses the plans per call (a tome_reuse_plan input, ONNX If)
+    # The canonical pass, then the deployment forms (passes/follow_up.py), each one graph for every
+    # call: importance's ToMe plan when there is no map yet (tome_has_map, ONNX If), plans made or
+    # reused per call (tome_reuse_plan, ONNX If), randomness hashed from tome_seed (no drawn input)
     o, gm = run.options, run.gm
     assert gm is not None
-    # the canonical pass, then the deployment forms: plans made or reused per call, randomness
-    # hashed from tome_seed (no drawn input)
-    result = merge_self_attention(gm, run.config, oracle=o.oracle, in_graph_fallback=True, io=run.io)
-    if run.config.plan_every > 1:
+    result = fallback_plans(gm, merge_self_attention(gm, run.config, oracle=o.oracle, io=run.io))
+    if run.config.reuses_plans:
         result = either_plans(gm, result)
     if not o.partition_input:
         result = hash_random(gm, result)
@@ -630,7 +629,6 @@ def _metadata(run: _Run) -> ExportMetadata:
         tome_inputs=list(result.inputs),
         output=OUTPUT_NAME,
         tome_outputs=list(result.outputs),
-        plan_every=config.plan_every,
         batch="dynamic" if run.dynamic else o.batch,
         height=o.height,
         width=o.width,

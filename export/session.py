@@ -111,7 +111,6 @@ class ToMeSession:
         self.guidance = GUIDANCE.get(self.meta.guidance or "cfg") if self._uses_map else None
         # plan_every exports return their plans as extra outputs; later calls feed them back
         self._keeps_plans = bool(self.meta.tome_outputs)
-        self.plan_every = int(self.meta.plan_every)
         if providers is None:
             providers = default_providers()
         self.session = ort.InferenceSession(str(path), sess_options=session_options,
@@ -125,7 +124,7 @@ class ToMeSession:
         self._required = {name for name in self._model_inputs if name not in defaults}  # no default value
         self.seed = seed
         self._said: set[str] = set()
-        self.driver = CallDriver(seed=seed, plan_every=self.plan_every, say=self._say_once)
+        self.driver = CallDriver.for_config(self.meta.tome_config(), seed=seed, say=self._say_once)
         self.config = SimpleNamespace(**self.meta.unet_config)
         self.dtype = torch.float16 if self.meta.dtype == "float16" else torch.float32
         self.device = torch.device("cpu")

@@ -14,7 +14,13 @@ function ``(gm, result) -> result`` that changes that form in place and returns 
   of made: no matching, nothing drawn (``plan_every``'s reusing graphs);
 * :func:`either_plans` — one graph for both: a ``tome_reuse_plan`` input picks per call whether
   each block reuses the fed plan or makes one (``torch.cond``: an ONNX ``If``), and the plans used
-  are returned (the export's ``plan_every`` form).
+  are returned (the export's ``plan_every`` form);
+* :func:`fallback_plans` — importance merging's one graph for both kinds of step: a
+  ``tome_has_map`` input picks per call the importance plan or the ToMe plan (``torch.cond``), for
+  the first step of a generation, which has no map yet (the export's importance form).
+
+The export composes ``[merge, fallback_plans, either_plans, hash_random]``; the backend
+``[merge, keep_plans]`` and ``[merge, reuse_plans]``.
 
 A new form of the graph is one more function here, composed after the pass by its caller.
 """
@@ -26,6 +32,8 @@ import operator
 
 import torch
 from tome_compile.passes.merge_self_attention import (
+    HAS_MAP_INPUT,
+    PARTITION_INPUT,
     PLAN_SLOTS,
     PLAN_WEIGHTS,
     REUSE_INPUT,
@@ -42,7 +50,7 @@ from tome_compile.errors import ToMeRewriteError
 from tome_compile.inputs import ToMeInputSpec
 from tome_compile.plans import PlanGeometry, PlanSlice
 
-__all__ = ["either_plans", "hash_random", "keep_plans", "reuse_plans"]
+__all__ = ["either_plans", "fallback_plans", "hash_random", "keep_plans", "reuse_plans"]
 
 
 def _inputs_by_draw(graph: fx.Graph) -> dict[str, fx.Node]:
@@ -253,3 +261,46 @@ def _replace(node: fx.Node, new: fx.Node) -> None:
     new.meta["tome"] = dict(node.meta["tome"])
     node.replace_all_uses_with(new)
     node.graph.erase_node(node)
+
+
+def fallback_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
+    """Importance merging in one graph for every step: a ``tome_has_map`` input (0-d bool, right
+    after ``tome_importance``) picks per call each block's importance plan or its ToMe plan
+    (:func:`tome_compile.plans.importance_or_tome_plan`, an ONNX ``If``); a graph that draws
+    ``tome_dst_key`` also takes a ``tome_partition`` input (last) for the ToMe branch's random
+    destinations. Run before the plan-state passes. A graph without importance plans is returned
+    as is."""
+    own = [(n, g) for n, g in _replaceable_plans(gm, result, "fallback_plans")
+           if n.target is _merge.importance_plan]
+    if not own:
+        return result
+    graph = gm.graph
+    inputs = _inputs_by_draw(graph)
+    flag = ToMeInputSpec(HAS_MAP_INPUT, (), torch.bool, "has_map")
+    with graph.inserting_after(inputs["importance"]):
+        has_map = graph.placeholder(flag.name)
+    has_map.meta["tome"] = {"role": "input", "spec": flag}
+    specs = [s for spec in result.inputs for s in ([spec, flag] if spec.draw == "importance" else [spec])]
+    partition = None
+    if "dst_key" in inputs:  # random destinations: the ToMe branch draws its partition too
+        cells = tuple((g.h // g.sy, g.w // g.sx) for _, g in own)
+        spec = ToMeInputSpec(PARTITION_INPUT, (sum(g.cells for _, g in own),), torch.int64, "partition",
+                             cells=cells, choices=own[0][1].sx * own[0][1].sy)
+        (partition,) = _append_inputs(graph, [spec])
+        specs.append(spec)
+    offset = 0
+    for node, geometry in own:
+        metric, fitted, key = node.args[:3]
+        with graph.inserting_before(node):
+            choice = None
+            if partition is not None:
+                choice = graph.call_function(torch.narrow, (partition, 0, offset, geometry.cells))
+                choice.meta["tome"] = {"site": node.meta["tome"]["site"], "role": "plan"}
+            args = (metric, has_map, fitted, key, choice, geometry)
+            either = graph.call_function(_plans.importance_or_tome_plan, args)
+        _replace(node, either)
+        offset += geometry.cells
+    graph.lint()
+    gm.recompile()
+    return dataclasses.replace(result, inputs=specs,
+                               sites=_noted(result, f"; ToMe plan when there is no map ({HAS_MAP_INPUT})"))

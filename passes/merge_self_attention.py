@@ -139,13 +139,11 @@ class _Mode:
 
     method: str  # "tome" | "importance" | "oracle"
     use_rand: bool
-    in_graph_fallback: bool
     note: str  # appended to each rewritten row's reason
     guidance: GuidanceLayout | None = None  # importance: which rows of the batch are one image's
 
 
-def _choose_mode(config: ToMeConfig, method: str | None, oracle: bool, in_graph_fallback: bool,
-                 batch: int | None) -> _Mode:
+def _choose_mode(config: ToMeConfig, method: str | None, oracle: bool, batch: int | None) -> _Mode:
     method = "oracle" if oracle else (method or config.method)
     note = ""
     layout = None
@@ -160,9 +158,7 @@ def _choose_mode(config: ToMeConfig, method: str | None, oracle: bool, in_graph_
         use_rand, note = False, note + f"; batch {batch} is odd: fixed destinations (as tomesd)"
     tag = {"oracle": "; oracle", "importance": f"; importance ({layout.name if layout else '?'} guidance)"
            }.get(method, "")
-    return _Mode(method=method, use_rand=use_rand,
-                 in_graph_fallback=in_graph_fallback and method == "importance", note=note + tag,
-                 guidance=layout)
+    return _Mode(method=method, use_rand=use_rand, note=note + tag, guidance=layout)
 
 
 def _add_input(graph: fx.Graph, spec: ToMeInputSpec) -> fx.Node:
@@ -225,12 +221,10 @@ def _add_plan_inputs(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeCon
         assert latent is not None and batch is not None and mode.guidance is not None
         images = batch // mode.guidance.groups
         add(ToMeInputSpec(IMPORTANCE_INPUT, (images, *latent), torch.float32, "importance"))
-        if mode.in_graph_fallback:
-            add(ToMeInputSpec(HAS_MAP_INPUT, (), torch.bool, "has_map"))
     drawn = tuple(layout.cells[i] for i in layout.own)
     if importance and mode.use_rand:
         add(ToMeInputSpec(DST_KEY_INPUT, (images, sum(layout.pools)), torch.float32, "dst_key"))
-    if mode.use_rand and (not importance or mode.in_graph_fallback):
+    if mode.use_rand and not importance:
         add(ToMeInputSpec(PARTITION_INPUT, (sum(a * b for a, b in drawn),), torch.int64, "partition",
                           cells=drawn, choices=config.sx * config.sy))
     return specs, nodes
@@ -244,7 +238,7 @@ def _rewrite_blocks(graph: fx.Graph, plans: list[BlockPlan], config: ToMeConfig,
     made: dict[int, tuple[fx.Node, fx.Node] | None] = {}
     for i, (plan, (ch, cw), pool) in enumerate(zip(plans, layout.cells, layout.pools, strict=True)):
         io = BlockInputs(method=mode.method, partition=nodes.get("partition"), cell_offset=cell_offset,
-                         importance=nodes.get("importance"), has_map=nodes.get("has_map"),
+                         importance=nodes.get("importance"),
                          dst_key=nodes.get("dst_key"), key_offset=key_offset, pool=pool)
         maker = layout.makers[i]
         shared = made.get(maker) if maker != i else None
@@ -485,7 +479,6 @@ def merge_self_attention(
     oracle: bool = False,
     validate: bool = True,
     method: str | None = None,
-    in_graph_fallback: bool = False,
     plan_state: str | None = None,
     io: UNetIO | None = None,
 ) -> ToMeResult:
@@ -503,8 +496,6 @@ def merge_self_attention(
             type-check is put back and reported as skipped (never a graph that crashes).
         method: ``"tome"`` or ``"importance"`` (default ``config.method``). Importance plans read
             the ``tome_importance`` input ``[B/2, H, W]`` (and ``tome_dst_key`` with ``use_rand``).
-        in_graph_fallback: importance only: one graph for both kinds of step — a ``tome_has_map``
-            input picks the importance or the ToMe plan per call (``torch.cond``).
         plan_state: ``plan_every``'s state (see ``PLAN_STATES``), a shorthand for the canonical
             pass followed by one of the follow-up passes (:mod:`.follow_up`): ``"make"``
             (``keep_plans``) returns the plans of the blocks that make one as two more outputs
@@ -531,7 +522,7 @@ def merge_self_attention(
     # (1 video x 16 frames is 16 rows and still no pair)
     samples = io.sample_batch
     pairs_of = samples if samples is not None and isinstance(batch, int) and batch % samples == 0 else batch
-    mode = _choose_mode(config, method, oracle, in_graph_fallback, pairs_of)
+    mode = _choose_mode(config, method, oracle, pairs_of)
     kept, specs, failures = _apply(gm, plans, config, mode, latent, hint, validate) if plans else ([], [], {})
     report = _report(found, decisions, kept, failures, config, mode)
     result = ToMeResult(graph_module=gm, modified=bool(kept), sites=report, inputs=specs, latent_hw=latent,

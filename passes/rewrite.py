@@ -18,7 +18,6 @@ from tome_compile.passes.decide import BlockPlan, Target
 from torch import fx
 
 from tome_compile import merge as _merge
-from tome_compile import plans as _plans
 from tome_compile.config import ToMeConfig
 from tome_compile.plans import PlanGeometry
 
@@ -29,15 +28,13 @@ __all__ = ["BlockInputs", "rewrite_block"]
 class BlockInputs:
     """The graph inputs one block's plan reads, and where its slice of each starts.
 
-    ``method`` is "tome", "importance" or "oracle"; ``has_map`` set means the plan is chosen in
-    the graph per call (importance when the map is there, else ToMe: one graph for both steps).
+    ``method`` is "tome", "importance" or "oracle".
     """
 
     method: str
     partition: fx.Node | None = None
     cell_offset: int = 0
     importance: fx.Node | None = None
-    has_map: fx.Node | None = None
     dst_key: fx.Node | None = None
     key_offset: int = 0
     pool: int = 0
@@ -89,8 +86,6 @@ def _plan(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: BlockInputs,
         return call(_merge.tome_plan, plan.metric, choice, h, w, config.sx, config.sy, r)
     key = call(torch.narrow, io.dst_key, 1, io.key_offset, io.pool) if io.dst_key is not None else None
     fitted = call(_merge.fit_importance, io.importance, h, w)
-    if io.has_map is not None:  # the in-graph choice: importance when the map is there, else ToMe
-        return call(_plans.importance_or_tome_plan, plan.metric, io.has_map, fitted, key, choice, geometry)
     return call(_merge.importance_plan, plan.metric, fitted, key, h, w, r, config.pool_factor,
                 config.dst_fraction)
 

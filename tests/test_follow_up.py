@@ -1,6 +1,7 @@
 """Follow-up passes (issue #19): the canonical pass emits drawn inputs and no plan state; the
-deployment forms are small passes over what it tagged — ``hash_random`` (the export) and
-``keep_plans`` (plan_every's planning graphs)."""
+deployment forms are small passes over what it tagged — ``hash_random`` (the export),
+``keep_plans`` / ``reuse_plans`` / ``either_plans`` (plan_every) and ``fallback_plans``
+(importance merging's one graph for every step)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import dataclasses
 import pytest
 import torch
 from conftest import dynamo_graph
-from tome_compile.passes.follow_up import hash_random, keep_plans, reuse_plans
+from tome_compile.passes.follow_up import fallback_plans, hash_random, keep_plans, reuse_plans
 
 from tome_compile import ToMeConfig, merge_self_attention
 from tome_compile.errors import ToMeRewriteError
-from tome_compile.merge import fit_importance, tome_plan
-from tome_compile.plans import pack_plans, unpack_plan
+from tome_compile.merge import fit_importance, importance_plan, tome_plan
+from tome_compile.plans import importance_or_tome_plan, pack_plans, unpack_plan
 from tome_compile.sampler import hashed_partition
 
 CONFIG = ToMeConfig(ratio=0.5, max_downsample=2)
@@ -111,3 +112,40 @@ def test_reuse_plans_drops_the_matching_and_what_only_it_read(sd15):
     gm = dynamo_graph(unet, inputs)
     oracle = merge_self_attention(gm, CONFIG, oracle=True)  # no plan to feed: left as it is
     assert reuse_plans(gm, oracle) is oracle and not calls(gm, tome_plan)
+
+
+def test_fallback_plans_is_the_importance_graph_with_a_map_and_the_tome_graph_without(sd15):
+    unet, inputs = sd15
+    gm = dynamo_graph(unet, inputs)
+    args = list(gm.graph_args)
+    importance = merge_self_attention(gm, CONFIG.replace(method="importance"))
+    importance_gm = copy.deepcopy(gm)
+    tome_gm = dynamo_graph(unet, inputs)
+    tome = merge_self_attention(tome_gm, CONFIG)
+
+    both = fallback_plans(gm, importance)
+    # the flag right after the map (the export's input order), the ToMe branch's partition last
+    assert both.input_names == ["tome_importance", "tome_has_map", "tome_dst_key", "tome_partition"]
+    assert both.inputs[-1] == tome.inputs[0]
+    assert len(calls(gm, importance_or_tome_plan)) == 4 and not calls(gm, importance_plan)
+    assert both.count_nodes("merge") == importance.count_nodes("merge") == 4
+    assert all("ToMe plan when there is no map (tome_has_map)" in s.reason for s in both.rewritten)
+
+    g = torch.Generator().manual_seed(0)
+    spec = {s.draw: s for s in both.inputs}
+    importance_map = torch.rand(spec["importance"].shape, generator=g)
+    key = torch.rand(spec["dst_key"].shape, generator=g)
+    partition = torch.randint(0, spec["partition"].choices, spec["partition"].shape, generator=g)
+    with_map = run(gm, [*args, importance_map, torch.tensor(True), key, partition])[0]
+    without = run(gm, [*args, importance_map, torch.tensor(False), key, partition])[0]
+    assert torch.equal(with_map, run(importance_gm, [*args, importance_map, key])[0])
+    assert torch.equal(without, run(tome_gm, [*args, partition])[0])
+    assert not torch.equal(with_map, without)
+
+    # a ToMe graph has no importance plan to fall back from; plan state must come after
+    code = tome_gm.code
+    assert fallback_plans(tome_gm, tome) is tome and tome_gm.code == code
+    gm = dynamo_graph(unet, inputs)
+    kept = keep_plans(gm, merge_self_attention(gm, CONFIG.replace(method="importance", plan_every=2)))
+    with pytest.raises(ToMeRewriteError, match="already has plan state"):
+        fallback_plans(gm, kept)

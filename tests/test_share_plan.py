@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY_SD15, call, dynamo_graph, tiny_inputs, tiny_unet, tomesd_reference
+from tome_compile.passes.follow_up import fallback_plans
 
 from tome_compile import ToMeConfig, generation, merge_self_attention, tome_backend
 from tome_compile.errors import ToMeConfigError, ToMeRewriteError
@@ -102,8 +103,8 @@ def test_single_block_level_equals_exact_tome():
 def test_share_plan_with_importance_in_one_graph(sd15):
     unet, inputs = sd15
     gm = dynamo_graph(unet, inputs)
-    result = merge_self_attention(gm, ToMeConfig(ratio=0.5, method="importance", share_plan=True),
-                                  in_graph_fallback=True)
+    result = merge_self_attention(gm, ToMeConfig(ratio=0.5, method="importance", share_plan=True))
+    result = fallback_plans(gm, result)
     assert len(result.rewritten) == 3 and len(plan_nodes(gm, importance_or_tome_plan)) == 1
     key = next(s for s in result.inputs if s.draw == "dst_key")
     assert key.shape[1] == 179  # the pool of one block: int((256 - 128) * 1.4)
@@ -289,7 +290,7 @@ def test_plan_every_export_equals_the_compiled_backend_call_by_call(tmp_path, sd
     assert result.parity_max_abs is not None and result.parity_max_abs <= 1e-4  # both branches checked
     assert {"tome_plan_slots", "tome_plan_weights", "tome_reuse_plan"} <= set(result.optional_inputs)
     session = ToMeSession(result.path, seed=4)
-    assert session.plan_every == 2
+    assert session.driver.plan_every == 2
     backend = tome_backend(config.replace(seed=4), compiler="eager")
     model = torch.compile(copy.deepcopy(unet), backend=backend, fullgraph=True)
     made = []

@@ -124,8 +124,7 @@ class ToMeBackend:
         self.reports: list[ToMeResult] = []
         self.oracle = oracle
         # The call state (maps, plans, random draws) per caller and model: tome_compile.state
-        self.driver = CallDriver(seed=config.seed, generator=generator, plan_every=config.plan_every,
-                                 say=self.say_once)
+        self.driver = CallDriver.for_config(config, seed=config.seed, generator=generator, say=self.say_once)
         self._said: set[str] = set()
         self._baked_timesteps: set[float] = set()
 
@@ -214,8 +213,8 @@ class ToMeBackend:
         was ``found_on_gm`` (not on the symbolic graph ``gm`` was specialised from)."""
         self._note_baked_timestep(io)
         graph_io = io if found_on_gm else find_unet_io(gm)  # U-Net I/O: found once per graph
-        # plan_every > 1: every planning graph also returns its plans; a third graph reuses them.
-        keep = "make" if self.config.plan_every > 1 and not self.oracle else None
+        # plans that outlive a call: every planning graph also returns its plans; a third graph reuses them
+        keep = "make" if self.config.reuses_plans and not self.oracle else None
         result, compiled = self._rewrite_and_compile(gm, example_inputs, compile_fn, "tome", keep, graph_io)
         self.reports.append(result)
         logger.info("%s", result.summary())

@@ -159,6 +159,11 @@ class ToMeConfig:
         """False when nothing would be rewritten (ratio 0 or every merge target off)."""
         return self.ratio > 0 and (self.merge_attn or self.merge_crossattn or self.merge_mlp)
 
+    @property
+    def reuses_plans(self) -> bool:
+        """Plans outlive their call (``plan_every`` > 1): graphs keep, take or choose plan state."""
+        return self.plan_every > 1
+
     def replace(self, **changes: Any) -> ToMeConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)

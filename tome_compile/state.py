@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from tome_compile.config import ToMeConfig
 from tome_compile.guidance import GuidanceLayout, importance_map
 from tome_compile.inputs import ToMeInputSpec, draw_tome_inputs
 from tome_compile.sampler import PartitionSampler
@@ -217,6 +218,12 @@ class CallDriver:
         self._lock = threading.Lock()
         self._owners: weakref.WeakKeyDictionary[Any, _Owned] = weakref.WeakKeyDictionary()
         self._local = threading.local()
+
+    @classmethod
+    def for_config(cls, config: ToMeConfig, *, seed: int | None, generator: torch.Generator | None = None,
+                   say: Callable[[str], None] | None = None) -> CallDriver:
+        """The driver of a model rewritten with ``config`` (its ``plan_every``)."""
+        return cls(seed=seed, generator=generator, plan_every=config.plan_every, say=say)
 
     # -- who owns the state -------------------------------------------------------------------
     def _owner(self) -> Any:

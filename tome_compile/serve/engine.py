@@ -63,7 +63,7 @@ class ServeSpec:
     device: str = "cpu"  # "cuda" where the replica has a GPU (tome-serve --num-gpus-per-replica)
 
     def __post_init__(self) -> None:
-        ToMeConfig(ratio=self.ratio, method=self.method, plan_every=self.plan_every, seed=self.seed)
+        self.tome_config(self.ratio)
         if (
             isinstance(self.batch_size, bool)
             or not isinstance(self.batch_size, int)
@@ -73,6 +73,10 @@ class ServeSpec:
         if self.sizes is not None and (not self.sizes or any(isinstance(s, bool) or not isinstance(s, int)
                                                              or s < 8 or s % 8 for s in self.sizes)):
             raise ToMeConfigError(f"sizes={self.sizes!r} must be picture sizes, multiples of 8")
+
+    def tome_config(self, ratio: float) -> ToMeConfig:
+        """The ToMe settings of the denoiser that merges ``ratio`` (validated)."""
+        return ToMeConfig(ratio=ratio, method=self.method, plan_every=self.plan_every, seed=self.seed)
 
 
 @dataclass(frozen=True)
@@ -125,8 +129,7 @@ class Engine:
         spec = self.spec
         if ratio == 0:
             return compile_unet(self.target.unet, "plain", 0.0, spec.compiler)
-        backend = tome_backend(ratio, seed=spec.seed, method=spec.method, plan_every=spec.plan_every,
-                               compiler=spec.compiler, guidance="cfg")
+        backend = tome_backend(spec.tome_config(ratio).replace(guidance="cfg"), compiler=spec.compiler)
         return torch.compile(copy.deepcopy(self.target.unet), backend=backend, dynamic=False)
 
     def _onnx(self, path: Path) -> tuple[dict[float, Any], int, str]:
