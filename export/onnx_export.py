@@ -371,7 +371,8 @@ def _forget_rewriter_matches() -> None:
         from onnxscript.rewriter._matcher import PatternMatcher
     except ImportError:
         return
-    for matcher in [o for o in gc.get_objects() if isinstance(o, PatternMatcher)]:
+    # ``type`` and not ``isinstance``: a dead ``weakref.proxy`` among the objects raises on the latter.
+    for matcher in [o for o in gc.get_objects() if issubclass(type(o), PatternMatcher)]:
         init = getattr(matcher, "_init_match", None)
         if callable(init):
             init(0)
