@@ -40,7 +40,7 @@ from tome_compile.export.metadata import METADATA_KEY, ExportMetadata
 from tome_compile.export.ort_optimizer import optimize_for_ort
 from tome_compile.export.parity import default_providers
 from tome_compile.passes import ToMeResult, find_unet_io, merge_self_attention
-from tome_compile.passes.follow_up import either_plans, fallback_plans, hash_random
+from tome_compile.passes.follow_up import either_plans, fallback_plans, hash_random, head_merges
 from tome_compile.passes.merge_self_attention import nothing_rewritten
 from tome_compile.passes.sites import node_shape as _sites_node_shape
 from torch import fx
@@ -596,7 +596,8 @@ def _stage_trace(run: _Run) -> None:
 def _stage_rewrite(run: _Run) -> None:
     # The canonical pass, then the deployment forms (passes/follow_up.py), each one graph for every
     # call: importance's ToMe plan when there is no map yet (tome_has_map, ONNX If), plans made or
-    # reused per call (tome_reuse_plan, ONNX If), randomness hashed from tome_seed (no drawn input)
+    # reused per call (tome_reuse_plan, ONNX If), randomness hashed from tome_seed (no drawn input),
+    # merges that scatter the r merged tokens only (ONNX Runtime's ScatterElements is one thread)
     o, gm = run.options, run.gm
     assert gm is not None
     result = fallback_plans(gm, merge_self_attention(gm, run.config, oracle=o.oracle, io=run.io))
@@ -604,6 +605,7 @@ def _stage_rewrite(run: _Run) -> None:
         result = either_plans(gm, result)
     if not o.partition_input:
         result = hash_random(gm, result)
+    result = head_merges(gm, result)
     if not o.oracle and (why := nothing_rewritten(result, run.config)) is not None:
         raise ToMeExportError(f"{why} — nothing to export with ToMe (--ratio 0 exports the plain U-Net)")
     _assert_no_scatter_mean(gm)

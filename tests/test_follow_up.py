@@ -1,7 +1,7 @@
 """Follow-up passes (issue #19): the canonical pass emits drawn inputs and no plan state; the
 deployment forms are small passes over what it tagged — ``hash_random`` (the export),
 ``keep_plans`` / ``reuse_plans`` / ``either_plans`` (plan_every) and ``fallback_plans``
-(importance merging's one graph for every step)."""
+(importance merging's one graph for every step), ``head_merges`` (the export's merges)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,18 @@ import dataclasses
 import pytest
 import torch
 from conftest import dynamo_graph
-from tome_compile.passes.follow_up import fallback_plans, hash_random, keep_plans, reuse_plans
+from tome_compile.passes.follow_up import fallback_plans, hash_random, head_merges, keep_plans, reuse_plans
 
 from tome_compile import ToMeConfig, merge_self_attention
 from tome_compile.errors import ToMeRewriteError
-from tome_compile.merge import fit_importance, importance_plan, tome_plan
+from tome_compile.merge import (
+    fit_importance,
+    importance_plan,
+    merge_tokens,
+    merge_tokens_by_heads,
+    oracle_merge,
+    tome_plan,
+)
 from tome_compile.plans import importance_or_tome_plan, pack_plans, unpack_plan
 from tome_compile.sampler import hashed_partition
 
@@ -149,3 +156,25 @@ def test_fallback_plans_is_the_importance_graph_with_a_map_and_the_tome_graph_wi
     kept = keep_plans(gm, merge_self_attention(gm, CONFIG.replace(method="importance", plan_every=2)))
     with pytest.raises(ToMeRewriteError, match="already has plan state"):
         fallback_plans(gm, kept)
+
+
+def test_head_merges_swaps_every_merge_for_the_one_that_scatters_r_tokens(sd15):
+    unet, inputs = sd15
+    gm = dynamo_graph(unet, inputs)
+    args = list(gm.graph_args)
+    drawn = merge_self_attention(gm, CONFIG)
+    partition = drawn.inputs[0].zeros()
+    expected = run(gm, [*args, partition])[0]
+    assert len(calls(gm, merge_tokens)) == 4
+
+    heads = head_merges(gm, drawn)
+    assert len(calls(gm, merge_tokens_by_heads)) == 4 and not calls(gm, merge_tokens)
+    assert heads.count_nodes("merge") == 4 and heads.input_names == drawn.input_names
+    assert all("merge scatters the r merged tokens only" in s.reason for s in heads.rewritten)
+    got = run(gm, [*args, partition])[0]
+    assert (got - expected).abs().max() < 1e-5
+
+    gm = dynamo_graph(unet, inputs)
+    oracle = merge_self_attention(gm, CONFIG, oracle=True)  # negative: no merge_tokens to swap
+    assert head_merges(gm, oracle) is oracle and calls(gm, oracle_merge)
+    assert not calls(gm, merge_tokens_by_heads)

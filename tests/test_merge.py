@@ -10,6 +10,7 @@ from tome_compile.merge import (
     destination_partition,
     gather_rows,
     merge_tokens,
+    merge_tokens_by_heads,
     oracle_merge,
     oracle_unmerge,
     tome_plan,
@@ -42,6 +43,7 @@ def test_plan_equals_tomesd(h, w, sx, sy, ratio, batch, use_rand):
     # so compare as multisets of rows), and unmerge(merge(x)) is the same tensor.
     assert torch.allclose(merged.sort(dim=1).values, expected.sort(dim=1).values, atol=1e-6)
     assert torch.allclose(unmerge_tokens(merged, slot), u(expected), atol=1e-6)
+    assert torch.allclose(merge_tokens_by_heads(x, slot, weight), merged, atol=1e-6)  # the ONNX form
 
 
 def test_merge_is_a_mean_counting_the_destination_once():
@@ -138,6 +140,56 @@ def test_gather_rows_equals_gather_and_exports_without_an_expanded_index(tmp_pat
         ops[name] = {n.op_type for n in onnx.load(str(path)).graph.node}
     assert "Gather" in ops["rows"] and "GatherElements" not in ops["rows"]
     assert "GatherElements" in ops["elements"]
+
+
+def test_merge_by_heads_scatters_only_the_merged_tokens(tmp_path):
+    """The export's merge (issue #20): one gathered head per slot plus a scatter-add of the other r
+    tokens — the same means as merge_tokens for any plan (every token in one slot, each token its
+    own slot, random), and in ONNX a ScatterElements(add) of r rows, not N."""
+    import onnx
+    import onnxruntime as ort
+
+    g = torch.Generator().manual_seed(3)
+    b, n, m, c = 2, 12, 5, 4
+    x = torch.randn(b, n, c, generator=g)
+    own = torch.arange(m).expand(b, m)  # every slot has a token
+    plans = {
+        "random": torch.cat([own, torch.randint(0, m, (b, n - m), generator=g)], 1),
+        "one slot": torch.cat([own, torch.full((b, n - m), 2)], 1),
+        "reversed": torch.cat([torch.randint(0, m, (b, n - m), generator=g), own.flip(1)], 1),
+    }
+    for name, slot in plans.items():
+        weight = torch.zeros(b, m).scatter_add(1, slot, torch.ones(b, n)).reciprocal().unsqueeze(-1)
+        assert torch.allclose(merge_tokens_by_heads(x, slot, weight), merge_tokens(x, slot, weight),
+                              atol=1e-6), name
+    same = torch.arange(n).expand(b, n)  # r = 0: nothing to add
+    assert torch.equal(merge_tokens_by_heads(x, same, torch.ones(b, n, 1)), x)
+
+    class Heads(torch.nn.Module):
+        def forward(self, x, slot, weight):
+            return merge_tokens_by_heads(x, slot, weight)
+
+    class Scatter(torch.nn.Module):  # negative: every token scattered
+        def forward(self, x, slot, weight):
+            return merge_tokens(x, slot, weight)
+
+    slot = plans["random"]
+    weight = torch.zeros(b, m).scatter_add(1, slot, torch.ones(b, n)).reciprocal().unsqueeze(-1)
+    rows, got = {}, {}
+    for name, module in (("heads", Heads()), ("scatter", Scatter())):
+        path = tmp_path / f"{name}.onnx"
+        torch.onnx.export(module.eval(), (x, slot, weight), str(path), dynamo=True, verbose=False)
+        model = onnx.shape_inference.infer_shapes(onnx.load(str(path)))
+        shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+                  for v in [*model.graph.value_info, *model.graph.input]}
+        adds = [node for node in model.graph.node if node.op_type == "ScatterElements"
+                and any(a.name == "reduction" and a.s == b"add" for a in node.attribute)]
+        rows[name] = [shapes[node.input[2]][1] for node in adds]
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        got[name] = session.run(None, {"x": x.numpy(), "slot": slot.numpy(), "weight": weight.numpy()})[0]
+    assert rows == {"heads": [n - m], "scatter": [n]}
+    expected = merge_tokens(x, slot, weight).numpy()
+    assert abs(got["heads"] - expected).max() < 1e-6 and abs(got["scatter"] - expected).max() < 1e-6
 
 
 def test_importing_the_math_loads_no_pass_or_backend():

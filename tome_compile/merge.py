@@ -32,6 +32,7 @@ __all__ = [
     "importance_pool_size",
     "match_rows",
     "merge_tokens",
+    "merge_tokens_by_heads",
     "oracle_merge",
     "oracle_unmerge",
     "partition_cells",
@@ -309,6 +310,31 @@ def merge_tokens(x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor) -> t
     out = (weight * 0).expand(b, weight.shape[1], c)
     out = out.scatter_add(1, slot.unsqueeze(-1).expand(b, n, c), x)
     return out * weight
+
+
+def merge_tokens_by_heads(x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`merge_tokens` with a scatter of the ``r`` merged tokens only (the ONNX form).
+
+    Every slot has at least one token; its *head* (the last of its tokens) is gathered, and only the
+    other ``r`` tokens are added into it. ONNX Runtime's CPU ``ScatterElements`` (the one exact
+    scatter-add it has: ``ScatterND``'s reduction races) walks every element on one thread, so
+    scattering ``r`` rows instead of ``N`` takes it from the merge's largest cost to a third of
+    it (SD 1.5 at 512², batch 2: 32 → 15 ms a merge). Same numbers as :func:`merge_tokens` up to
+    the order of a float sum; in PyTorch the plain ``scatter_add`` (parallel) is the faster one."""
+    b, n, c = x.shape
+    m = weight.shape[1]
+    if m == n:
+        return x * weight.to(x.dtype)
+    tokens = torch.arange(n, device=x.device).expand(b, n)
+    # the largest token index of each slot (ScatterElements "max", int64: exact, deterministic)
+    head = torch.zeros(b, m, dtype=torch.int64, device=x.device).scatter_reduce(1, slot, tokens, "amax")
+    # the N - m = r tokens that are not a head (int32: ONNX Runtime's TopK takes no bool)
+    others = torch.topk((head.gather(1, slot) == tokens).to(torch.int32), n - m, dim=1,
+                        largest=False).indices
+    out = gather_rows(x, head)
+    out = out.scatter_add(1, slot.gather(1, others).unsqueeze(-1).expand(b, n - m, c),
+                          gather_rows(x, others))
+    return out * weight.to(x.dtype)
 
 
 def unmerge_tokens(y: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
