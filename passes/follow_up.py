@@ -36,13 +36,13 @@ import operator
 import torch
 from tome_compile.passes.merge_self_attention import (
     HAS_MAP_INPUT,
-    PARTITION_INPUT,
     PLAN_SLOTS,
     PLAN_WEIGHTS,
     REUSE_INPUT,
     SEED_INPUT,
     ToMeResult,
     ToMeSite,
+    partition_spec,
 )
 from torch import fx
 
@@ -286,9 +286,7 @@ def fallback_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
     specs = [s for spec in result.inputs for s in ([spec, flag] if spec.draw == "importance" else [spec])]
     partition = None
     if "dst_key" in inputs:  # random destinations: the ToMe branch draws its partition too
-        cells = tuple((g.h // g.sy, g.w // g.sx) for _, g in own)
-        spec = ToMeInputSpec(PARTITION_INPUT, (sum(g.cells for _, g in own),), torch.int64, "partition",
-                             cells=cells, choices=own[0][1].sx * own[0][1].sy)
+        spec = partition_spec(tuple((g.h // g.sy, g.w // g.sx) for _, g in own), own[0][1].sx * own[0][1].sy)
         (partition,) = _append_inputs(graph, [spec])
         specs.append(spec)
     offset = 0

@@ -225,9 +225,15 @@ def _add_plan_inputs(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeCon
     if importance and mode.use_rand:
         add(ToMeInputSpec(DST_KEY_INPUT, (images, sum(layout.pools)), torch.float32, "dst_key"))
     if mode.use_rand and not importance:
-        add(ToMeInputSpec(PARTITION_INPUT, (sum(a * b for a, b in drawn),), torch.int64, "partition",
-                          cells=drawn, choices=config.sx * config.sy))
+        add(partition_spec(drawn, config.sx * config.sy))
     return specs, nodes
+
+
+def partition_spec(cells: tuple[tuple[int, int], ...], choices: int) -> ToMeInputSpec:
+    """The ``tome_partition`` input: for each block that makes a plan, its ``rows x cols`` cells
+    (one destination each, ``choices`` tokens to pick it from), concatenated in block order."""
+    return ToMeInputSpec(PARTITION_INPUT, (sum(a * b for a, b in cells),), torch.int64, "partition",
+                         cells=cells, choices=choices)
 
 
 def _rewrite_blocks(graph: fx.Graph, plans: list[BlockPlan], config: ToMeConfig, mode: _Mode, layout: _Layout,
