@@ -84,13 +84,18 @@ def _inputs(session: Any, batch: int, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
-def _child(path: str, batch: int, rounds: int, seed: int) -> dict[str, Any]:
+_ORDERS = ("default", "priority")
+
+
+def _child(path: str, batch: int, rounds: int, seed: int, order: str = "default") -> dict[str, Any]:
     import onnxruntime as ort
 
     from tome_compile.export import ToMeSession
 
     options = ort.SessionOptions()
     options.enable_cpu_mem_arena = False
+    options.execution_order = {"default": ort.ExecutionOrder.DEFAULT,
+                               "priority": ort.ExecutionOrder.PRIORITY_BASED}[order]
     session = ToMeSession(path, providers=["CPUExecutionProvider"], seed=0, session_options=options)
     feed = _inputs(session, batch, seed)
     sample = feed.pop("sample")
@@ -114,6 +119,7 @@ def _child(path: str, batch: int, rounds: int, seed: int) -> dict[str, Any]:
     return {
         "path": path,
         "batch": batch,
+        "order": order,
         "resting_gb": resting / _GB,
         "peak_gb": statistics.median(peaks) / _GB,
         "peaks_gb": [p / _GB for p in peaks],
@@ -121,11 +127,13 @@ def _child(path: str, batch: int, rounds: int, seed: int) -> dict[str, Any]:
     }
 
 
-def measure_call(path: str | Path, batch: int, rounds: int = 3, seed: int = 0) -> dict[str, Any]:
-    """``_child`` in a fresh interpreter (arena off, large frees returned): one file's call memory."""
+def measure_call(path: str | Path, batch: int, rounds: int = 3, seed: int = 0, order: str = "default"
+                 ) -> dict[str, Any]:
+    """``_child`` in a fresh interpreter (arena off, large frees returned): one file's call memory,
+    with ONNX Runtime's ``order`` of execution (``default`` or ``priority``)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
     code = ("import json, sys; from tome_compile.benchmarks.memory import _child; "
-            f"print('RESULT ' + json.dumps(_child({str(path)!r}, {batch}, {rounds}, {seed})))")
+            f"print('RESULT ' + json.dumps(_child({str(path)!r}, {batch}, {rounds}, {seed}, {order!r})))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -206,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("paths", nargs="+")
     c.add_argument("--batch", type=int, default=2)
     c.add_argument("--rounds", type=int, default=3)
+    c.add_argument("--order", choices=_ORDERS, nargs="+", default=["default"],
+                   help="ONNX Runtime's execution order(s); each file is measured with each")
     c.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.command == "export":
@@ -228,12 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         if result["returncode"]:
             print(result["stderr_tail"][-800:], file=sys.stderr)
         return 0 if result["returncode"] == 0 else 1
-    rows = [measure_call(p, args.batch, args.rounds) for p in args.paths]
+    rows = [measure_call(p, args.batch, args.rounds, order=o) for o in args.order for p in args.paths]
     print(f"batch {args.batch}, CPU EP, arena off, median of {args.rounds} calls after one warm-up")
-    print("| file | resting GB | peak per call GB | median s |\n|---|---:|---:|---:|")
+    print("| file | order | resting GB | peak per call GB | median s |\n|---|---|---:|---:|---:|")
     for row in rows:
         print(
-            f"| {Path(row['path']).name} | {row['resting_gb']:.2f} | {row['peak_gb']:.3f} | "
+            f"| {Path(row['path']).name} | {row['order']} | {row['resting_gb']:.2f} | {row['peak_gb']:.3f} | "
             f"{row['median_s']:.2f} |"
         )
     if args.json:
