@@ -315,22 +315,24 @@ def merge_tokens(x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor) -> t
 def merge_tokens_by_heads(x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """:func:`merge_tokens` with a scatter of the ``r`` merged tokens only (the ONNX form).
 
-    Every slot has at least one token; its *head* (the last of its tokens) is gathered, and only the
-    other ``r`` tokens are added into it. ONNX Runtime's CPU ``ScatterElements`` (the one exact
-    scatter-add it has: ``ScatterND``'s reduction races) walks every element on one thread, so
-    scattering ``r`` rows instead of ``N`` takes it from the merge's largest cost to a third of
-    it (SD 1.5 at 512², batch 2: 32 → 15 ms a merge). Same numbers as :func:`merge_tokens` up to
-    the order of a float sum; in PyTorch the plain ``scatter_add`` (parallel) is the faster one."""
+    Every slot has at least one token; its *head* (the first of its tokens) is gathered, and only
+    the other ``r`` tokens, in ascending order, are added into it — the same float sums in the same
+    order as :func:`merge_tokens`'s scatter from zeros, so the same bits. ONNX Runtime's CPU
+    ``ScatterElements`` (the one exact scatter-add it has: ``ScatterND``'s reduction races) walks
+    every element on one thread, so scattering ``r`` rows instead of ``N`` takes it from the merge's
+    largest cost to a third of it (SD 1.5 at 512², batch 2: 32 → 15 ms a merge). In PyTorch the
+    plain ``scatter_add`` (parallel) is the faster one."""
     b, n, c = x.shape
     m = weight.shape[1]
     if m == n:
         return x * weight.to(x.dtype)
     tokens = torch.arange(n, device=x.device).expand(b, n)
-    # the largest token index of each slot (ScatterElements "max", int64: exact, deterministic)
-    head = torch.zeros(b, m, dtype=torch.int64, device=x.device).scatter_reduce(1, slot, tokens, "amax")
-    # the N - m = r tokens that are not a head (int32: ONNX Runtime's TopK takes no bool)
-    others = torch.topk((head.gather(1, slot) == tokens).to(torch.int32), n - m, dim=1,
-                        largest=False).indices
+    # the smallest token of each slot (ScatterElements "min", int64: exact, deterministic)
+    head = torch.full((b, m), n, dtype=torch.int64, device=x.device).scatter_reduce(1, slot, tokens, "amin")
+    # the r tokens that are not a head, ascending: keys are unique, so every backend's TopK returns
+    # them in one order and the sums below run in token order, as in merge_tokens
+    key = (head.gather(1, slot) == tokens).to(torch.int64) * n + tokens
+    others = torch.topk(key, n - m, dim=1, largest=False, sorted=True).indices
     out = gather_rows(x, head)
     out = out.scatter_add(1, slot.gather(1, others).unsqueeze(-1).expand(b, n - m, c),
                           gather_rows(x, others))
