@@ -309,8 +309,8 @@ def fallback_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
 
 def head_merges(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
     """Every :func:`~tome_compile.merge.merge_tokens` as
-    :func:`~tome_compile.merge.merge_tokens_by_heads`: the same numbers (up to the order of a float
-    sum) with a scatter of the ``r`` merged tokens instead of all ``N`` — ONNX Runtime's CPU
+    :func:`~tome_compile.merge.merge_tokens_by_heads`: the same bits (the same sums in the same
+    order) with a scatter of the ``r`` merged tokens instead of all ``N`` — ONNX Runtime's CPU
     ``ScatterElements`` is single-threaded (SD 1.5 at 512², batch 2: 32 → 15 ms a merge), while in
     PyTorch the plain ``scatter_add`` is the faster one. Plans, inputs and outputs are unchanged;
     a graph without merges (the oracle's, a plain U-Net's) is returned as is."""

@@ -84,7 +84,7 @@ def _inputs(session: Any, batch: int, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
-_ORDERS = ("default", "priority")
+_ORDERS = {"default": "DEFAULT", "priority": "PRIORITY_BASED"}  # --order: ort.ExecutionOrder
 
 
 def _child(path: str, batch: int, rounds: int, seed: int, order: str = "default") -> dict[str, Any]:
@@ -94,8 +94,7 @@ def _child(path: str, batch: int, rounds: int, seed: int, order: str = "default"
 
     options = ort.SessionOptions()
     options.enable_cpu_mem_arena = False
-    options.execution_order = {"default": ort.ExecutionOrder.DEFAULT,
-                               "priority": ort.ExecutionOrder.PRIORITY_BASED}[order]
+    options.execution_order = getattr(ort.ExecutionOrder, _ORDERS[order])
     session = ToMeSession(path, providers=["CPUExecutionProvider"], seed=0, session_options=options)
     feed = _inputs(session, batch, seed)
     sample = feed.pop("sample")
@@ -214,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("paths", nargs="+")
     c.add_argument("--batch", type=int, default=2)
     c.add_argument("--rounds", type=int, default=3)
-    c.add_argument("--order", choices=_ORDERS, nargs="+", default=["default"],
+    c.add_argument("--order", choices=list(_ORDERS), nargs="+", default=["default"],
                    help="ONNX Runtime's execution order(s); each file is measured with each")
     c.add_argument("--json", default=None)
     args = parser.parse_args(argv)
