@@ -67,6 +67,20 @@ def _noted(result: ToMeResult, note: str) -> list[ToMeSite]:
             for s in result.sites]
 
 
+def _hash_block_cells(graph: fx.Graph, partition: fx.Node, seed: fx.Node, timestep: fx.Node, choices: int
+                      ) -> None:
+    """Each block's cells of ``partition`` (a ``block_cells`` node) hashed in the block: only its
+    own counters, when the block runs (not the whole partition at the start of a call)."""
+    for user in [u for u in partition.users if u.target is _sampler.block_cells]:
+        _, offset, cells, metric = user.args
+        with graph.inserting_before(user):
+            value = graph.call_function(_sampler.hashed_block_cells,
+                                        (seed, timestep, offset, cells, choices, metric))
+        value.meta["tome"] = dict(user.meta.get("tome", {}), hashed=True)
+        user.replace_all_uses_with(value)
+        graph.erase_node(user)
+
+
 def hash_random(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
     """Replace the drawn ``tome_partition`` / ``tome_dst_key`` inputs with one ``tome_seed`` input
     (int64 scalar, in their place among the inputs) and the same numbers' hashed form computed in
@@ -95,6 +109,10 @@ def hash_random(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
                 value = graph.call_function(_sampler.hashed_keys,
                                             (seed, timestep, inputs["importance"], old.shape[1]))
             else:
+                _hash_block_cells(graph, node, seed, timestep, old.choices)
+                if not node.users:
+                    graph.erase_node(node)
+                    continue
                 value = graph.call_function(_sampler.hashed_partition,
                                             (seed, timestep, old.shape[0], old.choices))
             value.meta["tome"] = {"role": "plan", "site": "hashed"}
@@ -295,7 +313,8 @@ def fallback_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
         with graph.inserting_before(node):
             choice = None
             if partition is not None:
-                choice = graph.call_function(torch.narrow, (partition, 0, offset, geometry.cells))
+                cells = (partition, offset, geometry.cells, metric)
+                choice = graph.call_function(_sampler.block_cells, cells)
                 choice.meta["tome"] = {"site": node.meta["tome"]["site"], "role": "plan"}
             args = (metric, has_map, fitted, key, choice, geometry)
             either = graph.call_function(_plans.importance_or_tome_plan, args)

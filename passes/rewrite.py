@@ -18,6 +18,7 @@ from tome_compile.passes.decide import BlockPlan, Target
 from torch import fx
 
 from tome_compile import merge as _merge
+from tome_compile import sampler as _sampler
 from tome_compile.config import ToMeConfig
 from tome_compile.plans import PlanGeometry
 
@@ -81,7 +82,7 @@ def _plan(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: BlockInputs,
 
     choice = None
     if io.partition is not None:
-        choice = call(torch.narrow, io.partition, 0, io.cell_offset, geometry.cells)
+        choice = call(_sampler.block_cells, io.partition, io.cell_offset, geometry.cells, plan.metric)
     if io.method != "importance":
         return call(_merge.tome_plan, plan.metric, choice, h, w, config.sx, config.sy, r)
     key = call(torch.narrow, io.dst_key, 1, io.key_offset, io.pool) if io.dst_key is not None else None

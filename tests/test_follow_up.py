@@ -24,7 +24,7 @@ from tome_compile.merge import (
     tome_plan,
 )
 from tome_compile.plans import importance_or_tome_plan, pack_plans, unpack_plan
-from tome_compile.sampler import hashed_partition
+from tome_compile.sampler import block_cells, hashed_block_cells, hashed_partition
 
 CONFIG = ToMeConfig(ratio=0.5, max_downsample=2)
 
@@ -50,7 +50,14 @@ def test_hash_random_turns_the_drawn_partition_into_a_seed(sd15):
     hashed = hash_random(gm, drawn)
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     assert hashed.input_names == ["tome_seed"] and placeholders[-1] == "tome_seed"
-    assert "tome_partition" not in placeholders and len(calls(gm, hashed_partition)) == 1
+    assert "tome_partition" not in placeholders and not calls(gm, hashed_partition)
+    # each block hashes its own cells, after its input exists (not the whole partition up front:
+    # ONNX Runtime would make it at the start of a call and hold every block's cells to the end)
+    cells = calls(gm, hashed_block_cells)
+    assert len(cells) == 4 and not calls(gm, block_cells)
+    for node in cells:
+        (plan,) = node.users
+        assert node.args[-1] is plan.args[0]  # the block's metric, what its plan matches on
     assert hashed.count_nodes("merge") == drawn.count_nodes("merge") == 4
     assert all("destinations hashed from (tome_seed, timestep)" in s.reason for s in hashed.rewritten)
 

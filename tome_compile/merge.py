@@ -114,17 +114,21 @@ def _plan_from_matches(
     nd = dst_idx.shape[-1]
     kept = ns - r
     device = edge_order.device
-    arange_ns = torch.arange(ns, device=device).expand(b, ns)
-    rank = torch.empty_like(edge_order).scatter(1, edge_order, arange_ns)
+    # Every tensor here is read off this block's own matches (``x * 0`` of an int64 index is
+    # exactly 0; a scatter over a permutation overwrites every element of what it starts from):
+    # a shape-only ``arange(...).expand(b, n)`` / ``zeros`` / ``empty`` is the same expression in
+    # every block with these sizes, which the ONNX exporter and ONNX Runtime's CSE compute once
+    # and keep alive from the first block of the U-Net to the last (at the peak of an ORT call).
+    none = best_dst[:, :1] * 0  # [B, 1] zeros of this block
+    rank = edge_order.scatter(1, edge_order, torch.arange(ns, device=device) + none)
     slot_src = torch.where(rank < r, kept + best_dst, rank - r)
-    slot_dst = (kept + torch.arange(nd, device=device)).expand(b, nd)
-    tokens = torch.cat([dst_idx.expand(b, nd), src_idx.expand(b, ns)], dim=1)
-    slot = torch.empty(b, n, dtype=torch.int64, device=device).scatter(
-        1, tokens, torch.cat([slot_dst, slot_src], dim=1)
-    )
-    count = torch.zeros(b, n - r, dtype=dtype, device=device).scatter_add(
-        1, slot, torch.ones(b, n, dtype=dtype, device=device)
-    )
+    slot_dst = kept + torch.arange(nd, device=device) + none
+    tokens = torch.cat([dst_idx + none, src_idx + none], dim=1)
+    slots = torch.cat([slot_dst, slot_src], dim=1)
+    slot = slots.scatter(1, tokens, slots)  # tokens: a permutation of 0..n-1
+    ones = (slot * 0 + 1).to(dtype)
+    count = ones[:, : n - r] * 0
+    count = count.scatter_add(1, slot, ones)
     return slot, count.reciprocal().unsqueeze(-1)
 
 
@@ -326,9 +330,10 @@ def merge_tokens_by_heads(x: torch.Tensor, slot: torch.Tensor, weight: torch.Ten
     m = weight.shape[1]
     if m == n:
         return x * weight.to(x.dtype)
-    tokens = torch.arange(n, device=x.device).expand(b, n)
+    # read off this merge's plan, not shape-only (see _plan_from_matches): slot * 0 is exactly 0
+    tokens = torch.arange(n, device=x.device) + slot * 0
     # the smallest token of each slot (ScatterElements "min", int64: exact, deterministic)
-    head = torch.full((b, m), n, dtype=torch.int64, device=x.device).scatter_reduce(1, slot, tokens, "amin")
+    head = (tokens[:, :m] * 0 + n).scatter_reduce(1, slot, tokens, "amin")
     # the r tokens that are not a head, ascending: keys are unique, so every backend's TopK returns
     # them in one order and the sums below run in token order, as in merge_tokens
     key = (head.gather(1, slot) == tokens).to(torch.int64) * n + tokens

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["PartitionSampler", "hashed_counter", "hashed_keys", "hashed_partition"]
+__all__ = ["PartitionSampler", "block_cells", "hashed_block_cells", "hashed_counter", "hashed_keys",
+           "hashed_partition"]
 
 
 class PartitionSampler:
@@ -105,6 +106,29 @@ def hashed_partition(seed: torch.Tensor, timestep: torch.Tensor, n: int, choices
     """A destination partition drawn in the graph: ``[n]`` int64 in ``[0, choices)`` (the layout
     of a drawn ``tome_partition``: every random block's cells, concatenated)."""
     return (hashed_counter(seed, timestep, n) // 1024) % choices
+
+
+def _zero_after(metric: torch.Tensor) -> torch.Tensor:
+    """0 (int64, 0-d) read off ``metric``: the argmax of its first element. ONNX Runtime's default
+    order runs a node as soon as its inputs are ready, so a block's cells computed from the graph's
+    inputs alone are made at the start of a call and held until the block runs (through the
+    U-Net's peak); this 0 makes them wait for the block."""
+    return metric.reshape(-1)[:1].argmax()
+
+
+def block_cells(partition: torch.Tensor, offset: int, cells: int, metric: torch.Tensor) -> torch.Tensor:
+    """A block's ``cells`` of the drawn partition, from ``offset``, made when the block runs
+    (``metric``: the block's input; see :func:`_zero_after`)."""
+    return torch.narrow(partition, 0, offset, cells) + _zero_after(metric)
+
+
+def hashed_block_cells(seed: torch.Tensor, timestep: torch.Tensor, offset: int, cells: int, choices: int,
+                       metric: torch.Tensor) -> torch.Tensor:
+    """:func:`block_cells` of :func:`hashed_partition`: the same numbers, only this block's counters
+    hashed, when the block runs."""
+    counter = torch.arange(offset, offset + cells, device=timestep.device, dtype=torch.int64)
+    counter = counter + _zero_after(metric)
+    return (_hash_int(_hash_base(seed, timestep) + counter) // 1024) % choices
 
 
 def hashed_keys(seed: torch.Tensor, timestep: torch.Tensor, like: torch.Tensor, m: int) -> torch.Tensor:
