@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tome_compile.export.inventory import InventoryReport, check_op_inventory
 from tome_compile.export.onnx_export import ExportOptions, ExportResult, export_onnx
-from tome_compile.export.session import ToMeSession
+from tome_compile.export.session import ToMeSession, lean_memory_options
 
 __all__ = [
     "ExportOptions",
@@ -14,4 +14,5 @@ __all__ = [
     "ToMeSession",
     "check_op_inventory",
     "export_onnx",
+    "lean_memory_options",
 ]

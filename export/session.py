@@ -28,7 +28,7 @@ from tome_compile.errors import ToMeExportError
 from tome_compile.guidance import GUIDANCE, random_destinations
 from tome_compile.state import CallDriver, CallState, check_seed
 
-__all__ = ["ToMeSession"]
+__all__ = ["ToMeSession", "lean_memory_options"]
 
 logger = logging.getLogger("tome_compile.export")
 
@@ -66,6 +66,24 @@ class _Output(SimpleNamespace):
         return (self.sample,)[index]
 
 
+def lean_memory_options(options: Any = None) -> Any:
+    """``onnxruntime.SessionOptions`` (``options``, or new ones) with every value in a buffer of
+    its own, freed after its last reader: ``enable_mem_reuse`` and ``enable_mem_pattern`` off.
+
+    ONNX Runtime's default plan hands a freed buffer to a later value of the same size, which keeps
+    it allocated in between: for a U-Net that chains the feed-forwards' buffers of the first block
+    of a resolution to the last, through the whole call (SD 1.5, 512², batch 2, CPU EP: 0.78 GB at
+    the peak of a call where the live values never exceed 0.22 GB). Lean, the peak is the live
+    values'; each value's memory is requested and freed at its size (with the CPU arena on, the
+    arena serves it). See the README's ONNX Runtime memory table for the time it costs."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions() if options is None else options
+    options.enable_mem_reuse = False
+    options.enable_mem_pattern = False
+    return options
+
+
 class ToMeSession:
     """ONNX Runtime session of a ``tome-export`` model with the U-Net's call signature.
 
@@ -83,6 +101,9 @@ class ToMeSession:
             get 0), in ``[0, 2**63 - 1]``.
         io_binding: bind torch tensors to the session by pointer (no NumPy round trip; the output
             is written into a torch tensor on the input's device). Default: on for the CUDA EP.
+        session_options: ``onnxruntime.SessionOptions``, used as given. Default on the CPU EP:
+            :func:`lean_memory_options` (SD 1.5 at 512², batch 2: 0.31 GB above the loaded
+            session instead of 1.55 GB, no slower); elsewhere ONNX Runtime's defaults.
     """
 
     def __init__(
@@ -113,6 +134,8 @@ class ToMeSession:
         self._keeps_plans = bool(self.meta.tome_outputs)
         if providers is None:
             providers = default_providers()
+        if session_options is None and list(providers)[:1] == ["CPUExecutionProvider"]:
+            session_options = lean_memory_options()
         self.session = ort.InferenceSession(str(path), sess_options=session_options,
                                             providers=list(providers))
         self.provider = self.session.get_providers()[0]

@@ -72,6 +72,8 @@ def test_memory_bench_measures_in_fresh_processes(tmp_path):
     assert len(row["peaks_gb"]) == 2 and row["median_s"] > 0 and row["resting_gb"] > 0.1
     priority = measure_call(out, batch=1, rounds=1, order="priority")  # ONNX Runtime's other execution order
     assert row["order"] == "default" and priority["order"] == "priority" and priority["median_s"] > 0
+    lean = measure_call(out, batch=1, rounds=1, memory="lean")  # no buffer reuse
+    assert row["memory"] == "reuse" and lean["memory"] == "lean" and lean["median_s"] > 0
     # negative: a refused export is an exit code, not a table of zeros
     bad = measure_export([str(tmp_path / "x.onnx"), "--model", str(folder), "--height", "60"])
     assert (

@@ -5,11 +5,15 @@ models reuses freed memory without growing, and measures nothing).
     python -m tome_compile.benchmarks.memory export -- sd15.onnx --model sd15 --optimize cpu
     # peak memory of one ONNX Runtime call above the session's resting level, per file
     python -m tome_compile.benchmarks.memory call plain.onnx tome.onnx --batch 2 --rounds 3
+    # ... with ORT's own memory plan and without it, its CPU arena on and off
+    python -m tome_compile.benchmarks.memory call plain.onnx tome.onnx --memory reuse lean --arena off on
 
-``call`` runs every file in its own subprocess with ORT's CPU memory arena off and glibc told to
-return large frees to the system (``MALLOC_MMAP_THRESHOLD_=65536``), so resident memory follows
-live memory; a sampling thread reads ``/proc/self/statm`` every millisecond during the call. The
-peak above the level just before the call is the call's own memory (activations and temporaries).
+``call`` runs every file in its own subprocess, by default with ORT's CPU memory arena off and glibc
+told to return large frees to the system (``MALLOC_MMAP_THRESHOLD_=65536``), so resident memory
+follows what ORT holds; a sampling thread reads ``/proc/self/statm`` every millisecond during the
+call. The peak above the level just before the call is the call's own memory (activations and
+temporaries). With the arena on, which keeps what it grew to, the peak counts from the loaded
+session, first call included.
 """
 
 from __future__ import annotations
@@ -85,16 +89,22 @@ def _inputs(session: Any, batch: int, seed: int) -> dict[str, np.ndarray]:
 
 
 _ORDERS = {"default": "DEFAULT", "priority": "PRIORITY_BASED"}  # --order: ort.ExecutionOrder
+# --memory: ONNX Runtime's own plan ("reuse": a freed buffer is handed to a later value of its size,
+# the default) or every value its own buffer, freed after its last reader ("lean")
+_MEMORY = ("reuse", "lean")
 
 
-def _child(path: str, batch: int, rounds: int, seed: int, order: str = "default") -> dict[str, Any]:
+def _child(path: str, batch: int, rounds: int, seed: int, order: str = "default", memory: str = "reuse",
+           arena: bool = False) -> dict[str, Any]:
     import onnxruntime as ort
 
-    from tome_compile.export import ToMeSession
+    from tome_compile.export import ToMeSession, lean_memory_options
 
     options = ort.SessionOptions()
-    options.enable_cpu_mem_arena = False
+    options.enable_cpu_mem_arena = arena
     options.execution_order = getattr(ort.ExecutionOrder, _ORDERS[order])
+    if memory == "lean":
+        lean_memory_options(options)
     session = ToMeSession(path, providers=["CPUExecutionProvider"], seed=0, session_options=options)
     feed = _inputs(session, batch, seed)
     sample = feed.pop("sample")
@@ -106,19 +116,26 @@ def _child(path: str, batch: int, rounds: int, seed: int, order: str = "default"
     def call() -> None:
         session(sample, timestep, ehs, added_cond_kwargs=added or None, **feed)
 
-    call()  # first call: ORT's lazy initialisation
+    with _Peak() as first:
+        call()  # first call: ORT's lazy initialisation
     peaks, times = [], []
     for _ in range(rounds):
-        before = _rss()
+        # the arena keeps what it grew to (in the first call too): its peaks count from the
+        # session's resting level; without it, from the level before each call
+        before = resting if arena else _rss()
         start = time.perf_counter()
         with _Peak() as peak:
             call()
         times.append(time.perf_counter() - start)
         peaks.append(peak.peak - before)
+    if arena:
+        peaks = [max(p, first.peak - resting) for p in peaks]
     return {
         "path": path,
         "batch": batch,
         "order": order,
+        "memory": memory,
+        "arena": arena,
         "resting_gb": resting / _GB,
         "peak_gb": statistics.median(peaks) / _GB,
         "peaks_gb": [p / _GB for p in peaks],
@@ -126,13 +143,16 @@ def _child(path: str, batch: int, rounds: int, seed: int, order: str = "default"
     }
 
 
-def measure_call(path: str | Path, batch: int, rounds: int = 3, seed: int = 0, order: str = "default"
-                 ) -> dict[str, Any]:
+def measure_call(path: str | Path, batch: int, rounds: int = 3, seed: int = 0, order: str = "default",
+                 memory: str = "reuse", arena: bool = False) -> dict[str, Any]:
     """``_child`` in a fresh interpreter (arena off, large frees returned): one file's call memory,
-    with ONNX Runtime's ``order`` of execution (``default`` or ``priority``)."""
+    with ONNX Runtime's ``order`` of execution (``default`` or ``priority``) and ``memory`` plan
+    (``reuse``: ORT's default; ``lean``: :func:`tome_compile.export.lean_memory_options`); ``arena``:
+    ORT's CPU arena on (its default), the peak counted from the loaded session, first call included."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
     code = ("import json, sys; from tome_compile.benchmarks.memory import _child; "
-            f"print('RESULT ' + json.dumps(_child({str(path)!r}, {batch}, {rounds}, {seed}, {order!r})))")
+            f"print('RESULT ' + json.dumps(_child({str(path)!r}, {batch}, {rounds}, {seed}, {order!r}, "
+            f"{memory!r}, {arena!r})))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -215,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--rounds", type=int, default=3)
     c.add_argument("--order", choices=list(_ORDERS), nargs="+", default=["default"],
                    help="ONNX Runtime's execution order(s); each file is measured with each")
+    c.add_argument("--memory", choices=_MEMORY, nargs="+", default=["reuse"],
+                   help="ONNX Runtime's memory plan(s): reuse (its default) or lean (no buffer reuse)")
+    c.add_argument("--arena", choices=("off", "on"), nargs="+", default=["off"],
+                   help="ONNX Runtime's CPU arena (on: its default; off: memory follows live values)")
     c.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.command == "export":
@@ -237,12 +261,16 @@ def main(argv: list[str] | None = None) -> int:
         if result["returncode"]:
             print(result["stderr_tail"][-800:], file=sys.stderr)
         return 0 if result["returncode"] == 0 else 1
-    rows = [measure_call(p, args.batch, args.rounds, order=o) for o in args.order for p in args.paths]
-    print(f"batch {args.batch}, CPU EP, arena off, median of {args.rounds} calls after one warm-up")
-    print("| file | order | resting GB | peak per call GB | median s |\n|---|---|---:|---:|---:|")
+    rows = [measure_call(p, args.batch, args.rounds, order=o, memory=m, arena=a == "on")
+            for a in args.arena for m in args.memory for o in args.order for p in args.paths]
+    print(f"batch {args.batch}, CPU EP, median of {args.rounds} calls after one warm-up")
+    print("| file | order | memory | arena | resting GB | peak per call GB | median s |")
+    print("|---|---|---|---|---:|---:|---:|")
     for row in rows:
         print(
-            f"| {Path(row['path']).name} | {row['order']} | {row['resting_gb']:.2f} | {row['peak_gb']:.3f} | "
+            f"| {Path(row['path']).name} | {row['order']} | {row['memory']} | "
+            f"{('off', 'on')[row['arena']]} | {row['resting_gb']:.2f} | "
+            f"{row['peak_gb']:.3f} | "
             f"{row['median_s']:.2f} |"
         )
     if args.json:
