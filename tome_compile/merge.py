@@ -110,7 +110,7 @@ def _plan_from_matches(
             in output order.
         best_dst: ``[B, Ns]`` destination position each source would merge into.
     """
-    b, ns = edge_order.shape
+    ns = edge_order.shape[1]
     nd = dst_idx.shape[-1]
     kept = ns - r
     device = edge_order.device

@@ -98,14 +98,23 @@ def _hash_base(seed: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
 def hashed_counter(seed: torch.Tensor, timestep: torch.Tensor, n: int) -> torch.Tensor:
     """``[n]`` int64 in ``[0, 2**31 - 1)``: counter ``i`` hashed with ``(seed, timestep)``.
     Deterministic for a given (seed, timestep), different across steps and across positions."""
-    counter = torch.arange(n, device=timestep.device, dtype=torch.int64)
+    return _hashed(seed, timestep, torch.arange(n, device=timestep.device, dtype=torch.int64))
+
+
+def _hashed(seed: torch.Tensor, timestep: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """Each int64 ``counter`` hashed with ``(seed, timestep)``."""
     return _hash_int(_hash_base(seed, timestep) + counter)
+
+
+def _choices(hashed: torch.Tensor, choices: int) -> torch.Tensor:
+    """Hashed counters -> destination choices in ``[0, choices)`` (the hash's high bits)."""
+    return (hashed // 1024) % choices
 
 
 def hashed_partition(seed: torch.Tensor, timestep: torch.Tensor, n: int, choices: int) -> torch.Tensor:
     """A destination partition drawn in the graph: ``[n]`` int64 in ``[0, choices)`` (the layout
     of a drawn ``tome_partition``: every random block's cells, concatenated)."""
-    return (hashed_counter(seed, timestep, n) // 1024) % choices
+    return _choices(hashed_counter(seed, timestep, n), choices)
 
 
 def _zero_after(metric: torch.Tensor) -> torch.Tensor:
@@ -127,8 +136,7 @@ def hashed_block_cells(seed: torch.Tensor, timestep: torch.Tensor, offset: int, 
     """:func:`block_cells` of :func:`hashed_partition`: the same numbers, only this block's counters
     hashed, when the block runs."""
     counter = torch.arange(offset, offset + cells, device=timestep.device, dtype=torch.int64)
-    counter = counter + _zero_after(metric)
-    return (_hash_int(_hash_base(seed, timestep) + counter) // 1024) % choices
+    return _choices(_hashed(seed, timestep, counter + _zero_after(metric)), choices)
 
 
 def hashed_keys(seed: torch.Tensor, timestep: torch.Tensor, like: torch.Tensor, m: int) -> torch.Tensor:
