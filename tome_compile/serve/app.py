@@ -4,8 +4,10 @@
     tome-serve --ratio 0.5                                              # the same, with a local Ray
 
 * ``Frontend`` (no CPU reserved) checks each request (422 naming the field), forwards it to the
-  model with a timeout (504), turns a full queue into 503 at once (Serve's ``max_queued_requests``
-  backpressure) and a replica that died under the request into 503, and answers ``GET /healthz``.
+  model with a timeout (504), turns a full queue into 503 at once (its own count of the requests
+  it has in the model, capped at what the replicas run plus ``max_queued``; Serve's
+  ``max_queued_requests`` backpressure behind it) and a replica that died under the request into
+  503, and answers ``GET /healthz``.
 * ``Renderer`` replicas hold an :class:`~tome_compile.serve.engine.Engine` (model compiled and
   warmed up before the replica reports ready); ``@serve.batch`` groups concurrent requests into
   one call, which runs one denoising loop per group of equal settings.
@@ -29,7 +31,7 @@ from ray.serve.handle import DeploymentHandle
 from tome_compile.serve.engine import Engine, Rendered, ServeSpec
 from tome_compile.serve.request import Job, RequestError, parse_job
 
-__all__ = ["AppOptions", "Frontend", "Renderer", "build", "build_app"]
+__all__ = ["AppOptions", "Frontend", "Renderer", "admission_limit", "build", "build_app"]
 
 logger = logging.getLogger("tome_compile.serve")
 
@@ -54,6 +56,24 @@ class AppOptions:
     request_timeout_s: float = 120.0
     cpus_per_replica: float = 1.0
     gpus_per_replica: float = 0.0
+
+
+def _ongoing_per_replica(spec: ServeSpec) -> int:
+    """Requests one replica holds at once: the batch being rendered and the next one forming."""
+    return max(2 * spec.batch_size, 2)
+
+
+def admission_limit(spec: ServeSpec, options: AppOptions) -> int:
+    """Requests one front end lets into the model at once: what the replicas hold
+    (``max_replicas`` under autoscaling) plus ``max_queued`` waiting; the next one is 503 at once.
+
+    Serve's ``max_queued_requests`` alone does not bound a burst: its router checks the queue
+    before it counts a request in it, so requests that arrive together all pass the check (Ray
+    2.60, 24 at once against 6 running + 4 queued: 10 to 19 admitted). The front end's own count
+    is checked and raised with no ``await`` in between, so it is exact."""
+    autoscaled = options.min_replicas is not None and options.max_replicas is not None
+    replicas = options.max_replicas if autoscaled else options.replicas
+    return int(replicas) * _ongoing_per_replica(spec) + options.max_queued
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64, health_check_period_s=2.0,
@@ -91,9 +111,11 @@ class Renderer:
 class Frontend:
     """HTTP: ``POST /generate`` (JSON -> PNG) and ``GET /healthz``."""
 
-    def __init__(self, renderer: DeploymentHandle, timeout_s: float) -> None:
+    def __init__(self, renderer: DeploymentHandle, timeout_s: float, admit: int) -> None:
         self.renderer = renderer
         self.timeout_s = timeout_s
+        self.admit = admit  # admission_limit(): requests in the model at once, then 503
+        self._in_model = 0  # requests of this front end in the model (one event loop: no lock)
         self._limits: Any = None
 
     async def _get_limits(self) -> Any:
@@ -127,9 +149,22 @@ class Frontend:
             return _error(422, str(e))
         except Exception as e:  # noqa: BLE001 - the replicas' limits are not reachable yet
             return _error(503, f"the model is not ready ({type(e).__name__}); retry", retry=True)
+        if self._in_model >= self.admit:
+            return _error(503, f"overloaded: {self._in_model} requests are in the model, the limit (what "
+                          f"the replicas run + --max-queued); retry later", retry=True)
+        self._in_model += 1  # checked and counted with no await in between
+        try:
+            return await self._render(job, received)
+        finally:
+            self._in_model -= 1
+
+    async def _render(self, job: Job, received: float) -> Response:
         response = self.renderer.render.remote(job)
         try:
             rendered: Rendered = await asyncio.wait_for(self._await(response), timeout=self.timeout_s)
+        except asyncio.CancelledError:  # the client went away: the model's share of it goes too
+            response.cancel()
+            raise
         except asyncio.TimeoutError:
             response.cancel()
             return _error(504, f"no picture within {self.timeout_s:g} s (the request timeout); retry later")
@@ -157,7 +192,7 @@ def build_app(spec: ServeSpec, options: AppOptions | None = None) -> Any:
     renderer_options: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": options.cpus_per_replica, "num_gpus": options.gpus_per_replica},
         "max_queued_requests": options.max_queued,
-        "max_ongoing_requests": max(2 * spec.batch_size, 2),
+        "max_ongoing_requests": _ongoing_per_replica(spec),
     }
     if options.min_replicas is not None and options.max_replicas is not None:
         renderer_options["autoscaling_config"] = {"min_replicas": options.min_replicas,
@@ -167,7 +202,7 @@ def build_app(spec: ServeSpec, options: AppOptions | None = None) -> Any:
     else:
         renderer_options["num_replicas"] = options.replicas
     renderer = Renderer.options(**renderer_options).bind(spec, options.batch_wait_ms)
-    return Frontend.bind(renderer, options.request_timeout_s)
+    return Frontend.bind(renderer, options.request_timeout_s, admission_limit(spec, options))
 
 
 def build(args: dict[str, Any]) -> Any:
