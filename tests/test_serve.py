@@ -203,14 +203,12 @@ def test_overload_is_503_at_once_never_a_hang(server):
 def test_clients_that_hang_up_give_their_places_back(server):
     """Ten 30-step requests fill the model (admission_limit 10) and their clients hang up after a
     second: the front end's count must come down again, or every later request is 503 for good."""
-    import socket
-
     base, _, _ = server
 
     def hang_up(seed):
         try:
             return post(base + "/generate", {"prompt": "red circle", "steps": 30, "seed": seed}, 1.0)[0]
-        except (TimeoutError, socket.timeout, OSError):
+        except OSError:  # the read timed out (TimeoutError, URLError: both OSError)
             return "hung up"
 
     with concurrent.futures.ThreadPoolExecutor(10) as pool:

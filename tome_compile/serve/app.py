@@ -57,6 +57,11 @@ class AppOptions:
     cpus_per_replica: float = 1.0
     gpus_per_replica: float = 0.0
 
+    @property
+    def autoscaled(self) -> bool:
+        """Serve scales the replicas between ``min_replicas`` and ``max_replicas``."""
+        return self.min_replicas is not None and self.max_replicas is not None
+
 
 def _ongoing_per_replica(spec: ServeSpec) -> int:
     """Requests one replica holds at once: the batch being rendered and the next one forming."""
@@ -71,8 +76,7 @@ def admission_limit(spec: ServeSpec, options: AppOptions) -> int:
     before it counts a request in it, so requests that arrive together all pass the check (Ray
     2.60, 24 at once against 6 running + 4 queued: 10 to 19 admitted). The front end's own count
     is checked and raised with no ``await`` in between, so it is exact."""
-    autoscaled = options.min_replicas is not None and options.max_replicas is not None
-    replicas = options.max_replicas if autoscaled else options.replicas
+    replicas = options.max_replicas if options.autoscaled else options.replicas
     return int(replicas) * _ongoing_per_replica(spec) + options.max_queued
 
 
@@ -194,7 +198,7 @@ def build_app(spec: ServeSpec, options: AppOptions | None = None) -> Any:
         "max_queued_requests": options.max_queued,
         "max_ongoing_requests": _ongoing_per_replica(spec),
     }
-    if options.min_replicas is not None and options.max_replicas is not None:
+    if options.autoscaled:
         renderer_options["autoscaling_config"] = {"min_replicas": options.min_replicas,
                                                   "max_replicas": options.max_replicas,
                                                   "target_ongoing_requests": spec.batch_size}
