@@ -243,10 +243,34 @@ def test_a_killed_replica_is_restarted_and_serves_again(server):
     assert generate(base, seed=32)[0] == 200
 
 
-def test_sigterm_shuts_serve_and_ray_down(server):
-    _, process, log = server
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(120) == 0
+def test_sigterm_drains_then_shuts_serve_and_ray_down(server):
+    """SIGTERM with requests in the model: each is answered with its picture (not a closed
+    connection), a request after the signal is refused at once, then Serve and Ray go down."""
+    base, process, log = server
+
+    def late():
+        try:
+            return generate(base, seed=44)
+        except OSError as e:  # the server may be gone already: refused, never a hang
+            return "refused", str(e).encode(), {}
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        in_flight = [pool.submit(generate, base, seed=seed, steps=100) for seed in (41, 42, 43)]
+        time.sleep(2.0)  # in the model: 100 steps of a batch of 3 take seconds
+        process.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        started = time.monotonic()
+        status, data, _ = pool.submit(late).result(timeout=30)
+        refused_in = time.monotonic() - started
+        results = [f.result(timeout=150) for f in in_flight]
+    code = process.wait(120)
+    log.seek(0)
+    text = log.read()
+    assert [r[0] for r in results] == [200, 200, 200], ([r[:2] for r in results], text[-2000:])
+    assert all(png_pixels(r[1]).shape[1] == 3 for r in results)
+    assert status == "refused" or (status == 503 and b"shutting down" in data), (status, data[:300])
+    assert refused_in < 10
+    assert code == 0 and "draining: no new requests; waiting for" in text, text[-2000:]
     deadline = time.monotonic() + 60
     while ray_processes() and time.monotonic() < deadline:
         time.sleep(1.0)

@@ -7,7 +7,8 @@
   model with a timeout (504), turns a full queue into 503 at once (its own count of the requests
   it has in the model, capped at what the replicas run plus ``max_queued``; Serve's
   ``max_queued_requests`` backpressure behind it) and a replica that died under the request into
-  503, and answers ``GET /healthz``.
+  503, and answers ``GET /healthz``. ``drain()`` (``tome-serve``'s SIGTERM) stops admitting: new
+  requests are 503 while the ones in the model finish.
 * ``Renderer`` replicas hold an :class:`~tome_compile.serve.engine.Engine` (model compiled and
   warmed up before the replica reports ready); ``@serve.batch`` groups concurrent requests into
   one call, which runs one denoising loop per group of equal settings.
@@ -120,7 +121,18 @@ class Frontend:
         self.timeout_s = timeout_s
         self.admit = admit  # admission_limit(): requests in the model at once, then 503
         self._in_model = 0  # requests of this front end in the model (one event loop: no lock)
+        self._draining = False
         self._limits: Any = None
+
+    def drain(self) -> int:
+        """Stop admitting (every new request 503, ``/healthz`` 503 ``draining``); the requests in the
+        model go on. Returns how many are in it (``tome-serve``'s SIGTERM waits for 0)."""
+        self._draining = True
+        return self._in_model
+
+    def in_flight(self) -> int:
+        """Requests of this front end in the model now."""
+        return self._in_model
 
     async def _get_limits(self) -> Any:
         if self._limits is None:
@@ -129,6 +141,8 @@ class Frontend:
 
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
+        if self._draining:
+            return JSONResponse({"status": "draining", "in_flight": self._in_model}, status_code=503)
         try:
             info = await asyncio.wait_for(self._await(self.renderer.ready.remote()), timeout=10.0)
         except Exception as e:  # noqa: BLE001 - not ready, for whatever reason: say which
@@ -143,6 +157,9 @@ class Frontend:
     @api.post("/generate")
     async def generate(self, request: Request) -> Response:
         received = time.perf_counter()
+        if self._draining:
+            return _error(503, "shutting down: this server takes no new requests (the ones in flight "
+                          "finish); retry on another", retry=True)
         try:
             body = await request.json()
         except ValueError:

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from tome_compile.errors import ToMeError
 
@@ -137,9 +138,10 @@ def _serve(args: argparse.Namespace, spec: object, options: object) -> int:
     stop, serving = threading.Event(), threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
-        stop.set()
-        if not serving.is_set():  # still starting (a deploy can take minutes): unwind now
+        if not serving.is_set() or stop.is_set():  # still starting, or a second signal while draining
+            stop.set()
             raise KeyboardInterrupt
+        stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     address = args.address or os.environ.get("RAY_ADDRESS")
@@ -165,10 +167,12 @@ def _serve(args: argparse.Namespace, spec: object, options: object) -> int:
                 flush=True,
             )
         stop.wait()
+        _drain(options.request_timeout_s + 5)
         print("tome-serve: stopping", flush=True)
         return 0
     except KeyboardInterrupt:
-        print("tome-serve: interrupted while starting; stopping", flush=True)
+        print(f"tome-serve: interrupted while {'draining' if serving.is_set() else 'starting'}; stopping",
+              flush=True)
         return 130
     except Exception as e:  # noqa: BLE001 - one line, then the shutdown below
         print(f"tome-serve: error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
@@ -185,6 +189,31 @@ def _serve(args: argparse.Namespace, spec: object, options: object) -> int:
         except Exception as e:  # noqa: BLE001 - shutting down after a failed start
             print(f"tome-serve: shutting Serve down: {type(e).__name__}: {e}", file=sys.stderr)
         ray.shutdown()
+
+
+def _drain(timeout_s: float) -> None:
+    """Stop admitting (new requests 503), wait up to ``timeout_s`` for the requests in the model to be
+    answered, then return (Serve is shut down after): a client in flight gets its picture, not a
+    closed connection."""
+    from ray import serve
+
+    try:
+        handle = serve.get_app_handle("tome")
+        in_flight = handle.drain.remote().result(timeout_s=30)
+        print(f"tome-serve: draining: no new requests; waiting for {in_flight} in flight (at most "
+              f"{timeout_s:g} s; a second signal stops at once)", flush=True)
+        deadline = time.monotonic() + timeout_s
+        while in_flight and time.monotonic() < deadline:
+            time.sleep(0.2)
+            in_flight = handle.in_flight.remote().result(timeout_s=30)
+        if in_flight:
+            print(f"tome-serve: {in_flight} requests still in flight after {timeout_s:g} s; stopping anyway",
+                  flush=True)
+        time.sleep(1.0)  # the HTTP proxy sends the last answers on
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - a front end that is gone has nothing to drain
+        print(f"tome-serve: draining: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
 
 
 if __name__ == "__main__":
