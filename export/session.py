@@ -123,7 +123,13 @@ class ToMeSession:
         path = Path(path)
         if not path.is_file():
             raise ToMeExportError(f"no ONNX model at {str(path)!r}")
-        model = onnx.load(str(path), load_external_data=False)
+        try:
+            model = onnx.load(str(path), load_external_data=False)
+        except Exception as e:  # protobuf's DecodeError, a truncated file's errors: none names the file
+            raise ToMeExportError(
+                f"{str(path)!r} is not a readable ONNX model ({type(e).__name__}: {e}); it may be "
+                "truncated or another kind of file: export it again with tome-export"
+            ) from e
         found = ExportMetadata.of_model(model, repr(str(path)))
         self.exported = found is not None  # written by tome-export (a plain Optimum U-Net is not)
         self.meta = found or ExportMetadata()
@@ -189,6 +195,9 @@ class ToMeSession:
             return value.detach().to(_TORCH[spec.type]).contiguous()
         array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
         array = array.astype(_NUMPY.get(spec.type, array.dtype), copy=False)
+        if name == "timestep" and array.size == 0:
+            raise ToMeExportError(f"timestep has no value (shape {tuple(array.shape)}); give the call's "
+                                  "timestep: a number, or a tensor of one value (or one per image)")
         if len(spec.shape) == 0:
             array = array.reshape(())
         elif name == "timestep" and list(spec.shape) == [1] and array.size != 1:
@@ -349,6 +358,9 @@ class ToMeSession:
                 "ToMeSession needs the timestep of the call (a number or a tensor); without "
                 "it the time embedding would be garbage"
             )
+        if len(getattr(sample, "shape", ())) == 0 or int(sample.shape[0]) == 0:
+            raise ToMeExportError(f"sample has shape {tuple(getattr(sample, 'shape', ()))}: give a batch of "
+                                  "at least one latent [B, C, H, W] (B >= 1)")
         given = self._gather_inputs(sample, encoder_hidden_states, added_cond_kwargs, named)
         feed = {name: self._feed(name, value) for name, value in given.items() if name != "timestep"}
         feed["timestep"] = self._feed("timestep", timestep)

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from tome_compile.arguments import image_size, positive_int
 from tome_compile.backend import ToMeBackend
 from tome_compile.config import ToMeConfig, parse_blocks
 from tome_compile.errors import ToMeError
@@ -394,16 +395,18 @@ def main(argv: list[str] | None = None) -> int:
         help="sd15 | sd21 | sdxl | animatediff | svd | pixart | zero123 (the Zero123++ wrapper "
         "around sd21: --sizes is one view's size, 320: 960 x 640 tiled) | a local diffusers folder",
     )
-    parser.add_argument("--frames", type=int, default=None, help="video U-Nets: frames per video (16 / 25)")
+    parser.add_argument("--frames", type=positive_int, default=None,
+                        help="video U-Nets: frames per video (16 / 25)")
     parser.add_argument("--merge-blocks", default=None, metavar="LIST",
                         help="ToMeConfig.blocks, e.g. 7-20 (PixArt)")
     parser.add_argument("--merge-crossattn", action="store_true", help="merge cross-attention queries too")
     parser.add_argument("--pool-factor", type=float, default=1.4, help="importance pool factor (PixArt: 1)")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024], help="image sizes (square)")
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--sizes", type=image_size, nargs="+", default=[512, 1024],
+                        help="image sizes (square)")
+    parser.add_argument("--batch", type=positive_int, default=2)
     parser.add_argument("--ratio", type=float, default=0.5)
-    parser.add_argument("--max-downsample", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")
+    parser.add_argument("--max-downsample", type=positive_int, default=1)
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed rounds (median reported)")
     parser.add_argument(
         "--variants",
         nargs="+",

@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tome_compile.arguments import image_size, positive_int
+
 __all__ = ["main"]
 
 
@@ -29,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu-check", help="folder for the exported models")
     parser.add_argument("--model", default="sd15")
-    parser.add_argument("--size", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--size", type=image_size, default=512)
+    parser.add_argument("--batch", type=positive_int, default=2)
     parser.add_argument("--ratio", type=float, default=0.5)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=positive_int, default=10)
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "fp16"], choices=["fp32", "fp16"])
     parser.add_argument("--no-optimize", action="store_true", help="skip ORT's transformer optimizer (cuda)")
     args = parser.parse_args(argv)

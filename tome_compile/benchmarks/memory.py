@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from tome_compile.arguments import positive_int
+
 __all__ = ["main"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -231,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("args", nargs=argparse.REMAINDER)
     c = sub.add_parser("call", help="peak memory of one ONNX Runtime call per file, each in a fresh process")
     c.add_argument("paths", nargs="+")
-    c.add_argument("--batch", type=int, default=2)
-    c.add_argument("--rounds", type=int, default=3)
+    c.add_argument("--batch", type=positive_int, default=2)
+    c.add_argument("--rounds", type=positive_int, default=3)
     c.add_argument("--order", choices=list(_ORDERS), nargs="+", default=["default"],
                    help="ONNX Runtime's execution order(s); each file is measured with each")
     c.add_argument("--memory", choices=_MEMORY, nargs="+", default=["reuse"],

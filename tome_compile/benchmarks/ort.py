@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tome_compile.arguments import image_size, positive_int
+
 __all__ = ["main"]
 
 
@@ -55,13 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tome_compile.benchmarks.ort", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="sd15")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024])
-    parser.add_argument("--batches", type=int, nargs="+", default=[2, 1],
+    parser.add_argument("--sizes", type=image_size, nargs="+", default=[512, 1024])
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[2, 1],
                         help="batch per size (default 2 at 512², 1 at 1024²)")
     parser.add_argument("--no-optimize", action="store_true",
                         help="skip ORT's transformer optimizer (compare unoptimised exports)")
     parser.add_argument("--ratio", type=float, default=0.5)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--workdir", default="ort-bench", help="where the exported models go (deleted after)")
     parser.add_argument("--keep", action="store_true", help="keep the exported models")
     parser.add_argument("--json", default="bench_ort.json")

@@ -26,6 +26,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from tome_compile.arguments import positive_int
+
 __all__ = ["drive", "main"]
 
 
@@ -101,12 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compiler", default="inductor")
     parser.add_argument("--method", default="tome", choices=["tome", "importance"])
     parser.add_argument("--ratio", type=float, default=0.5)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--batch-size", type=int, default=4, help="max batch size of the batching-on runs")
+    parser.add_argument("--steps", type=positive_int, default=12)
+    parser.add_argument("--batch-size", type=positive_int, default=4,
+                        help="max batch size of the batching-on runs")
     parser.add_argument("--batch-wait-ms", type=float, default=20.0)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
-    parser.add_argument("--requests", type=int, default=6, help="requests per client at each concurrency")
-    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--requests", type=positive_int, default=6,
+                        help="requests per client at each concurrency")
+    parser.add_argument("--replicas", type=positive_int, default=1)
     parser.add_argument("--cpus-per-replica", type=float, default=None,
                         help="default: every CPU of the machine shared by the replicas")
     parser.add_argument("--json", default="serve_bench.json")

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from tome_compile.arguments import positive_int
 from tome_compile.errors import ToMeError
 from tome_compile.shapes.sample import DEFAULT_GUIDANCE, DEFAULT_STEPS, write_atomically
 
@@ -151,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", default=["tome", "importance"],
                         help="tome, importance, and plan reuse: METHOD[-shared][-everyK] "
                              "(e.g. tome-shared tome-shared-every3); paired deltas are against tome")
-    parser.add_argument("--seeds", type=int, default=4, help="seeds per prompt (30 prompts)")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="DDIM steps")
+    parser.add_argument("--seeds", type=positive_int, default=4, help="seeds per prompt (30 prompts)")
+    parser.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, help="DDIM steps")
     parser.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE, help="CFG scale")
     parser.add_argument("--compiler", default="inductor", help="inner compiler: inductor or eager")
     parser.add_argument("--out", default="bench/quality.json", help="JSON with every per-picture number")
