@@ -87,7 +87,7 @@ def _tome_arguments(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--guidance", default="auto", choices=["auto", "cfg", "pix2pix", "pag", "none"],
                    help="importance: which rows of the batch are one image's: cfg [uncond; cond], pix2pix "
                         "[text; image; uncond], pag [uncond; cond; perturbed] (default auto: cfg for an "
-                        "even batch not a multiple of 6)")
+                        "even batch, none for an odd one)")
     p.add_argument("--pool-factor", type=float, default=1.4, help="importance: pool size factor (PixArt: 1)")
     p.add_argument("--blocks", default=None, metavar="LIST",
                    help="only these transformer blocks, e.g. 7-20 (PixArt: the released importance code's)")

@@ -320,16 +320,21 @@ _TEMPORAL_PATH = re.compile(r"(^|\.)(motion_modules|temporal_transformer_blocks|
 
 
 def temporal_reason(site: AttentionSite, rows: int | None) -> str | None:
-    """Why ``site`` is a video U-Net's temporal attention (never merged), or None if it is not:
-    its module path says so, or its batch is not the latent's rows (B x F for a video U-Net)."""
+    """Why ``site`` is not a per-image spatial attention (never merged), or None if it is: a video
+    U-Net's temporal attention (its module path says so, or a batch of B x H x W), or an attention
+    over part of the latent's rows (PAG's perturbed layer: its processor splits the batch)."""
     shape = node_shape(site.input)
     batch = shape[0] if shape is not None and len(shape) == 3 and isinstance(shape[0], int) else None
     frames = f"its {site.tokens} tokens are frames" if site.tokens is not None else "its tokens are frames"
     if _TEMPORAL_PATH.search(site.path):
         return f"temporal attention ({frames}, batch {batch if batch is not None else '?'} = B x H x W)"
+    if rows is not None and batch is not None and batch < rows:
+        return (f"attention over {batch} of the latent's {rows} rows: its processor splits the batch "
+                "(perturbed-attention guidance: PAG's perturbed rows take an identity attention here), "
+                "so no per-image plan fits it")
     if rows is not None and batch is not None and batch != rows:
-        return (f"attention batch {batch} is not the latent's {rows} rows: not a per-image/per-frame "
-                "spatial attention (temporal?)")
+        return (f"attention batch {batch} is not the latent's {rows} rows: its tokens are not one image's "
+                "or frame's (temporal attention, batch B x H x W?)")
     return None
 
 

@@ -15,7 +15,7 @@ import torch
 from conftest import TINY_SD15, call, tiny_inputs, tiny_pipeline
 
 import tome_compile
-from tome_compile import ToMeConfig, ToMeConfigError, ToMeWarning, generation, tome_backend
+from tome_compile import ToMeConfig, ToMeConfigError, generation, tome_backend
 from tome_compile.errors import ToMeExportError
 from tome_compile.models import build_unet
 
@@ -140,16 +140,20 @@ def test_1_img2img_after_an_interrupted_run(sd15):
     assert (stale - expected).abs().max() > 1e-4
 
 
-def test_apply_refuses_twice_and_compiled_denoisers(sd15):
+def test_apply_refuses_compiled_denoisers(sd15):
     from diffusers import StableDiffusionPipeline
 
     unet, _ = sd15
-    pipe = sd_pipe(unet)
-    with pytest.raises(ToMeConfigError, match="already has ToMe applied"):
-        tome_compile.apply(pipe, 0.5)
     compiled_pipe = tiny_pipeline(StableDiffusionPipeline, torch.compile(copy.deepcopy(unet)))
     with pytest.raises(ToMeConfigError, match="already torch.compile'd"):
         tome_compile.apply(compiled_pipe, 0.5)
+    # a second apply() replaces the first (tests/test_round4.py), a shared denoiser takes no settings
+    pipe = sd_pipe(unet)
+    from diffusers import StableDiffusionImg2ImgPipeline
+
+    img2img = StableDiffusionImg2ImgPipeline.from_pipe(pipe)
+    with pytest.raises(ToMeConfigError, match="already runs with ToMe .* or remove\\(pipe\\) first"):
+        tome_compile.apply(img2img, 0.3)
 
 
 def test_second_image_equals_a_fresh_pipeline_without_recompiles(sd15):
@@ -252,6 +256,38 @@ def test_2_onnx_pipeline_through_apply(every_export):
     second = image(pipe, 2)
     assert np.array_equal(second, image(tome_compile.apply(onnx_pipeline(every_export), seed=3), 2))
     assert pipe.tome.call_state() is None  # each pipeline call was its own generation, now ended
+
+
+# #32 items 2, 7, 8. ONNX: the file's settings, bad calls, bad files ------------------------------
+def test_2_apply_refuses_settings_the_export_was_not_made_with(every_export):
+    with pytest.raises(ToMeConfigError, match=r"ratio=0.1, method='importance', plan_every=3 asked of .*"
+                                              r"exported with ratio=0.5, method='tome', plan_every=2"):
+        tome_compile.apply(onnx_pipeline(every_export), 0.1, method="importance", plan_every=3)
+    # negative: the file's own settings, and the seed, are fine
+    pipe = tome_compile.apply(onnx_pipeline(every_export), 0.5, plan_every=2, seed=3)
+    assert type(pipe.unet).__name__ == "ToMeSession"
+
+
+def test_7_8_session_refuses_empty_calls_and_unreadable_files(every_export, sd15, tmp_path):
+    from tome_compile.export import ToMeSession
+
+    _, inputs = sd15
+    session = ToMeSession(every_export, seed=0)
+    ehs = inputs.encoder_hidden_states
+    with pytest.raises(ToMeExportError, match=r"timestep has no value \(shape \(0,\)\)"):
+        session(inputs.sample, torch.tensor([]), encoder_hidden_states=ehs)
+    with pytest.raises(ToMeExportError, match=r"sample has shape \(0, 4, 16, 16\): give a batch of at least"):
+        session(inputs.sample[:0], torch.tensor(999), encoder_hidden_states=ehs[:0])
+    assert session.call_state() is None  # nothing ran
+    truncated = tmp_path / "truncated.onnx"
+    truncated.write_bytes(open(every_export, "rb").read()[:1000])
+    text = tmp_path / "notes.onnx"
+    text.write_text("not a model")
+    for path in (truncated, text):
+        with pytest.raises(ToMeExportError, match=f"{path.name}' is not a readable ONNX model"):
+            ToMeSession(path)
+    out = session(inputs.sample, torch.tensor(999), encoder_hidden_states=ehs).sample
+    assert np.isfinite(out.numpy()).all()
 
 
 def test_6_partition_input_export_equals_the_backend_at_an_odd_batch(every_export, sd15):
@@ -448,16 +484,20 @@ def test_5_three_way_guidance_pairs_the_rows_of_each_image(guidance, independent
     assert not torch.equal(first[1], second[1])
 
 
-def test_5_auto_refuses_a_batch_it_cannot_pair(sd15):
+def test_5_auto_pairs_an_even_batch_as_cfg_and_a_named_layout_as_named(sd15):
     unet, _ = sd15
     six = tiny_inputs(unet, batch=6)
-    model, backend = compile_tome(unet, method="importance", seed=0)
-    with pytest.warns(ToMeWarning, match="a batch of 6 holds either 3 CFG pairs .* or 2 three-way groups"):
-        call(model, six)
-    assert [r.method for r in backend.reports] == ["tome"]  # ToMe plans, no importance graph
-    model, backend = compile_tome(unet, method="importance", seed=0, guidance="cfg")
-    call(model, six)
-    assert [r.method for r in backend.reports] == ["tome", "importance"]
+    for guidance, images in (("auto", 3), ("pag", 2), ("none", None)):
+        model, backend = compile_tome(unet, method="importance", seed=0, guidance=guidance)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call(model, six)
+        if images is None:  # negative: no guidance rows, nothing to rank by: ToMe plans, said once
+            assert [r.method for r in backend.reports] == ["tome"]
+            assert any("holds no pair of guidance rows" in str(w.message) for w in caught)
+        else:
+            assert [r.method for r in backend.reports] == ["tome", "importance"]
+            assert backend.reports[1].inputs[0].shape == (images, 16, 16)
 
 
 # 11, 12, 16: values checked at construction ------------------------------------------------------

@@ -25,7 +25,7 @@ from tome_compile.errors import (
 if TYPE_CHECKING:
     from tome_compile.backend import ToMeBackend, ToMeWarning, tome_backend
     from tome_compile.passes import ToMeResult, ToMeSite, merge_self_attention
-    from tome_compile.pipeline import apply
+    from tome_compile.pipeline import apply, remove
     from tome_compile.state import generation
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "apply",
     "generation",
     "merge_self_attention",
+    "remove",
     "tome_backend",
 ]
 
@@ -55,6 +56,7 @@ _LAZY = {
     "ToMeSite": "tome_compile.passes",
     "merge_self_attention": "tome_compile.passes",
     "apply": "tome_compile.pipeline",
+    "remove": "tome_compile.pipeline",
     "generation": "tome_compile.state",
 }
 

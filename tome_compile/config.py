@@ -57,8 +57,8 @@ class ToMeConfig:
         guidance: which rows of a batch belong to one image, for importance merging's map and
             plans: ``"cfg"`` ``[uncond; cond]``, ``"pix2pix"`` ``[text; image; uncond]``, ``"pag"``
             ``[uncond; cond; perturbed]``, ``"none"``; ``"auto"`` (default) reads ``"cfg"`` from an
-            even batch and refuses one it cannot tell (a multiple of 6): ToMe plans there.
-            :func:`tome_compile.apply` sets it from the pipeline.
+            even batch and ``"none"`` from an odd one — name ``"pix2pix"`` / ``"pag"`` for a
+            three-way batch. :func:`tome_compile.apply` sets it from the pipeline.
     """
 
     ratio: float = 0.5

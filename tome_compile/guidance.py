@@ -11,9 +11,11 @@ chunk per branch, the images of the call in the same order inside every chunk:
 Image ``i`` of a batch of ``B = groups * P`` rows owns rows ``i, P + i, ...``. Importance merging
 ranks the tokens by the guidance magnitude of two of the chunks, ``|eps_a - eps_b|`` (symmetric:
 the order of the pair does not matter), and gives every row of an image the same partition.
-``"auto"`` (default) reads ``"cfg"`` from an even batch and ``"none"`` from an odd one, and refuses
-a batch it cannot tell (a multiple of 6 holds either CFG pairs or three-way groups): importance
-merging then uses ToMe plans for that batch and says so, rather than pair rows of different images.
+``"auto"`` (default) reads ``"cfg"`` from an even batch and ``"none"`` from an odd one. Classifier-free
+guidance is by far the most common layout, so a batch of 6 or 12 is read as 3 or 6 CFG pairs (three
+pictures with CFG is an everyday batch). The pipelines that stack three chunks are known:
+:func:`tome_compile.apply` names their layout itself (``"pix2pix"``, ``"pag"``), and a caller of a bare
+``torch.compile`` who runs one says so with ``guidance=`` (or ``generation(guidance=...)``).
 """
 
 from __future__ import annotations
@@ -54,14 +56,7 @@ def resolve_guidance(name: str, batch: int | None) -> GuidanceLayout | str:
     if batch is None:
         return "the batch size is not known when the graph is rewritten"
     if name == "auto":
-        if batch % 2 == 1:
-            layout = GUIDANCE["none"]
-        elif batch % 6 == 0:
-            return (f"a batch of {batch} holds either {batch // 2} CFG pairs [uncond; cond] or "
-                    f"{batch // 3} three-way groups (InstructPix2Pix, PAG); pass guidance='cfg' "
-                    "(or 'pix2pix' / 'pag'), or use tome_compile.apply(pipe)")
-        else:
-            layout = GUIDANCE["cfg"]
+        layout = GUIDANCE["none"] if batch % 2 == 1 else GUIDANCE["cfg"]
     else:
         layout = GUIDANCE[name]
     assert layout is not None

@@ -24,12 +24,13 @@ generation of one caller**, never to whoever calls the model next:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ from tome_compile.guidance import GuidanceLayout, importance_map
 from tome_compile.inputs import ToMeInputSpec, draw_tome_inputs
 from tome_compile.sampler import PartitionSampler
 
-__all__ = ["CallDriver", "CallState", "Generation", "generation", "timestep_value"]
+__all__ = ["CallDriver", "CallState", "Generation", "current_generation", "generation", "timestep_value"]
 
 logger = logging.getLogger("tome_compile")
 
@@ -76,8 +77,7 @@ class _ThreadOwner:
 _current: contextvars.ContextVar[Generation | None] = contextvars.ContextVar("tome_generation", default=None)
 
 
-@contextlib.contextmanager
-def generation(seed: int | None = None, guidance: str | None = None) -> Iterator[Generation]:
+class generation:  # noqa: N801 - used as a function: ``with tome_compile.generation():``
     """Every ToMe call inside is one generation: fresh state at the first call, no guessing after.
 
         with tome_compile.generation():
@@ -87,23 +87,39 @@ def generation(seed: int | None = None, guidance: str | None = None) -> Iterator
 
     ``seed``: seed of this generation's destination partitions (default: each model's own).
     ``guidance``: the layout of its batches (``"cfg"``, ``"pix2pix"``, ``"pag"``, ``"none"``) when
-    known. Nested ``generation()`` blocks start a new generation each; the outer one resumes after.
+    known (``"auto"`` and ``None``: not known, each model's own rule). Nested ``generation()``
+    blocks start a new generation each; the outer one resumes after. A pipeline call of a pipeline
+    that :func:`tome_compile.apply` marked is a generation of its own that takes this one's seed and
+    guidance. The object may be entered again (also nested): each ``with`` is a new generation.
     """
-    from tome_compile.guidance import GUIDANCE
 
-    if seed is not None:
-        check_seed(seed, "generation(seed=...)")
-    if guidance is not None and guidance not in GUIDANCE:
-        from tome_compile.errors import ToMeConfigError
+    def __init__(self, seed: int | None = None, guidance: str | None = None) -> None:
+        from tome_compile.guidance import GUIDANCE
 
-        raise ToMeConfigError(f"guidance={guidance!r} is unknown; use one of {tuple(GUIDANCE)}")
-    current = Generation(seed, guidance)
-    token = _current.set(current)
-    try:
-        yield current
-    finally:
+        if seed is not None:
+            check_seed(seed, "generation(seed=...)")
+        if guidance is not None and guidance not in GUIDANCE:
+            from tome_compile.errors import ToMeConfigError
+
+            raise ToMeConfigError(f"guidance={guidance!r} is unknown; use one of {tuple(GUIDANCE)}")
+        self.seed = seed
+        self.guidance = None if guidance == "auto" else guidance
+        self._tokens: list[contextvars.Token[Generation | None]] = []
+
+    def __enter__(self) -> Generation:
+        current = Generation(self.seed, self.guidance)
+        self._tokens.append(_current.set(current))
+        return current
+
+    def __exit__(self, *exc: object) -> None:
+        token = self._tokens.pop()
         with contextlib.suppress(ValueError):  # a generator closed in another context (a GC'd loop)
             _current.reset(token)
+
+
+def current_generation() -> Generation | None:
+    """The innermost ``generation()`` the caller is in, or None."""
+    return _current.get()
 
 
 def check_seed(seed: Any, what: str) -> None:
@@ -215,6 +231,8 @@ class CallDriver:
         self.plan_every = plan_every
         self.say = say or (lambda message: logger.warning("%s", message))
         self.epoch = 0
+        # calls of every caller by the plans they used ("tome" includes importance's fallback)
+        self.calls_by_kind: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self._owners: weakref.WeakKeyDictionary[Any, _Owned] = weakref.WeakKeyDictionary()
         self._local = threading.local()
@@ -271,8 +289,13 @@ class CallDriver:
         (None: no importance graph for this batch)."""
         owner = self._owner()
         if layout is not None and owner.guidance is not None and owner.guidance != layout.name:
-            logger.debug("ToMe: this generation's batch is %r guidance, the importance graph pairs %r rows: "
-                        "no importance map (ToMe plans)", owner.guidance, layout.name)
+            if owner.guidance == "none":  # no guidance rows to rank tokens by: ToMe, as documented
+                logger.debug("ToMe: this generation has no guidance: no importance map (ToMe plans)")
+            else:
+                self.say(f"ToMe: this generation's batches are {owner.guidance!r} guidance but the "
+                         f"importance graph pairs {layout.name!r} rows: its calls use ToMe plans, never a "
+                         f"map of another layout; compile the model for this layout (tome_backend("
+                         f"guidance={owner.guidance!r}), or tome_compile.apply(pipe) on its own denoiser)")
             layout = None
         state, created = self._state_for(owner, model_key)
         # the timestep is read (one scalar) only where the bare-call rule needs it
@@ -291,6 +314,8 @@ class CallDriver:
         state.shape, state.timestep = shape, t
         state.generation_calls += 1
         kind = "importance" if layout is not None and state.map is not None else "tome"
+        with self._lock:
+            self.calls_by_kind[kind] += 1
         plans = None
         if (keeps_plans and state.plans is not None and state.plan_kind == kind
                 and state.plan_age < self.plan_every):

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tome_compile.arguments import image_size, positive_int
 from tome_compile.errors import ToMeError, ToMeModelError
 from tome_compile.shapes.grid import labelled_grid
 from tome_compile.shapes.sample import DEFAULT_GUIDANCE, DEFAULT_STEPS, compile_unet, write_atomically
@@ -114,18 +115,21 @@ def _pipeline_target(folder: Path, size: int | None, device: str = "cpu") -> Tar
     @torch.no_grad()
     def sample(unet: Any, prompts: list[str], seeds: list[int], steps: int, guidance: float,
                size: int | None = None) -> torch.Tensor:
+        from tome_compile.state import generation
+
         pipe.unet = unet
         try:
             side = size or default
-            out = pipe(
-                prompt=prompts,
-                num_inference_steps=steps,
-                guidance_scale=guidance,
-                height=side,
-                width=side,
-                generator=[torch.Generator().manual_seed(s) for s in seeds],
-                output_type="pt",
-            )
+            with generation(guidance="cfg" if guidance > 1 else "none"):  # the pipeline's batches
+                out = pipe(
+                    prompt=prompts,
+                    num_inference_steps=steps,
+                    guidance_scale=guidance,
+                    height=side,
+                    width=side,
+                    generator=[torch.Generator().manual_seed(s) for s in seeds],
+                    output_type="pt",
+                )
         finally:
             pipe.unet = original
         return out.images.float().clamp(0, 1)
@@ -143,12 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a shapes-model folder, a local diffusers pipeline folder "
         "(model_index.json) or U-Net folder (default: the shipped shapes model)",
     )
-    parser.add_argument("--size", type=int, default=None,
+    parser.add_argument("--size", type=image_size, default=None,
                         help="picture height and width for a diffusers pipeline (default: its own)")
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument(
         "--steps",
-        type=int,
+        type=positive_int,
         default=None,
         help=f"denoising steps (default: {DEFAULT_STEPS} for the shapes model, 25 for a pipeline)",
     )
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"CFG scale (default: {DEFAULT_GUIDANCE} for the shapes model, 7.5 for a pipeline)",
     )
     parser.add_argument("--prompts", nargs="+", default=DEFAULT_PROMPTS)
-    parser.add_argument("--seeds", type=int, default=1, help="seeds per prompt (default 1)")
+    parser.add_argument("--seeds", type=positive_int, default=1, help="seeds per prompt (default 1)")
     parser.add_argument(
         "--compiler",
         default="eager",
@@ -204,11 +208,22 @@ def _row_label(row: dict[str, Any]) -> list[str]:
     return lines
 
 
+def ran_as_another_method(backends: dict[str, Any], ratio: float) -> list[str]:
+    """The rows whose backend never ran its method: an importance backend none of whose calls had a
+    guidance map (every call fell back to ToMe plans), a backend that rewrote no graph."""
+    wrong = []
+    for method, backend in backends.items():
+        rewrote = any(report.modified for report in backend.reports)
+        if not rewrote or (method == "importance" and not backend.driver.calls_by_kind["importance"]):
+            wrong.append(f"{method} {ratio}")
+    return wrong
+
+
 def _run(args: argparse.Namespace) -> int:
     from PIL import Image
     from tqdm import tqdm
 
-    from tome_compile import ToMeConfig
+    from tome_compile import ToMeConfig, tome_backend
     from tome_compile.shapes.data import tokenize
     from tome_compile.shapes.metrics import PSNR_CAP_DB, psnr, ssim
     from tome_compile.shapes.probe import load_probe
@@ -227,12 +242,12 @@ def _run(args: argparse.Namespace) -> int:
             tokenize(p)  # clear error for an unknown word
     prompts = [p for p in args.prompts for _ in range(args.seeds)]
     seeds = [s for _ in args.prompts for s in range(args.seeds)]
+    backends = {m: tome_backend(args.ratio, seed=0, method=m, compiler=args.compiler)
+                for m in ("tome", "importance")}
     methods: dict[str, Any] = {
         "plain": compile_unet(target.unet, "plain", 0.0, args.compiler),
-        **{
-            f"{m} {args.ratio}": compile_unet(target.unet, m, args.ratio, args.compiler)
-            for m in ("tome", "importance")
-        },
+        **{f"{m} {args.ratio}": compile_unet(target.unet, m, args.ratio, args.compiler, backend=b)
+           for m, b in backends.items()},
     }
     images: dict[str, torch.Tensor] = {}
     seconds: dict[str, float] = {}
@@ -250,6 +265,10 @@ def _run(args: argparse.Namespace) -> int:
             images[name] = target.sample(compiled, prompts, seeds, args.steps, args.guidance)
             seconds[name] = (time.perf_counter() - start) / len(prompts)
             bar.update(1)
+    for name in ran_as_another_method(backends, args.ratio):  # never label a fallback as the method
+        images[f"{name} (ran as tome)"] = images.pop(name)
+        seconds[f"{name} (ran as tome)"] = seconds[name]
+        warmup[f"{name} (ran as tome)"] = warmup[name]
     plain = images["plain"]
     probe = load_probe() if target.shapes_prompts else None
     rows = []

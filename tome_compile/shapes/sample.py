@@ -33,6 +33,8 @@ def generate(model: ShapesModel, prompts: list[str], seeds: list[int], *, steps:
     ``[uncond x N; cond x N]`` per step."""
     from diffusers import DDIMScheduler
 
+    from tome_compile.state import generation as tome_generation
+
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds; give one seed per prompt")
     unet = model.unet if unet is None else unet
@@ -46,11 +48,13 @@ def generate(model: ShapesModel, prompts: list[str], seeds: list[int], *, steps:
     cond = model.text.encode(prompts)
     uncond = model.text.encode([""] * n)
     ehs = torch.cat([uncond, cond])
-    for t in scheduler.timesteps:
-        eps = unet(torch.cat([x, x]), t, encoder_hidden_states=ehs).sample
-        eps_uncond, eps_cond = eps.chunk(2)
-        eps = eps_uncond + guidance * (eps_cond - eps_uncond)
-        x = scheduler.step(eps, t, x).prev_sample
+    # one generation, its batches [uncond; cond]: the loop marked as the README tells users to mark theirs
+    with tome_generation(guidance="cfg"):
+        for t in scheduler.timesteps:
+            eps = unet(torch.cat([x, x]), t, encoder_hidden_states=ehs).sample
+            eps_uncond, eps_cond = eps.chunk(2)
+            eps = eps_uncond + guidance * (eps_cond - eps_uncond)
+            x = scheduler.step(eps, t, x).prev_sample
     return ((x.clamp(-1, 1) + 1) / 2).float().cpu()
 
 
