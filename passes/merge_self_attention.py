@@ -253,6 +253,10 @@ def _rewrite_blocks(graph: fx.Graph, plans: list[BlockPlan], config: ToMeConfig,
     return made
 
 
+# The skip reason of a self-attention whose input the graph hands out (kept for a later call)
+STORED_REFERENCE = "reference write pass: its input is stored for a later call"
+
+
 def _decide_all(gm: fx.GraphModule, found: list[_sites.AttentionSite], passes: list[_sites.UNetPass],
                 config: ToMeConfig, latent_hw: tuple[int, int] | None) -> list[BlockPlan | Skip]:
     """Each site's decision against its own U-Net pass (a DiT's patch grid, a U-Net's latent). A
@@ -266,6 +270,10 @@ def _decide_all(gm: fx.GraphModule, found: list[_sites.AttentionSite], passes: l
         if reader is not None and site.kind == "self-attention":
             out.append(Skip(f"reference pass: its input is the reference {reader.path} (pass "
                             f"{reader.unet_pass}) attends to; left unmerged"))
+            continue
+        if site.kind == "self-attention" and any(user.op == "output" for user in site.input.users):
+            out.append(Skip(STORED_REFERENCE + " (a graph output: a reference-only write pass, e.g. "
+                            "Zero123++'s inner U-Net compiled alone); left unmerged"))
             continue
         grid = unet_pass.grid or latent_hw or unet_pass.latent
         out.append(decide_site(site, found, gm.graph, config, grid, unet_pass.rows))

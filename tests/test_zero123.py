@@ -243,3 +243,24 @@ def test_cli_refuses_a_multiview_size_that_is_not_3_by_2_views(tmp_path, capsys)
     assert main([str(tmp_path / "z.onnx"), "--model", "zero123", "--height", "512", "--width", "512"]) == 2
     assert "height a multiple of 24" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_the_inner_unet_compiled_alone_leaves_the_write_pass_alone_and_says_so(zero123):
+    """#32 item 9: compiling ``wrapper.unet`` instead of the wrapper merged the write pass (16 -> 8
+    tokens at 3 sites) silently. Its stored inputs are graph outputs: those sites are skipped with
+    the reason, a warning says so once, and the pictures equal the wrapper compiled whole."""
+    from tome_compile import ToMeWarning
+
+    wrapper, inputs = zero123
+    inner = copy.deepcopy(wrapper)
+    backend = tome_backend(0.5, compiler="eager", use_rand=False)
+    inner.unet = torch.compile(inner.unet, backend=backend)
+    with pytest.warns(ToMeWarning, match="stores attention inputs for a later call"):
+        got = run(inner, inputs, [999, 749])
+    write, read = backend.reports[0], backend.reports[1]
+    assert not write.rewritten and all(s.reason.startswith("reference write pass: its input is stored")
+                                       for s in write.sites if s.kind == "self-attention")
+    assert [s.path for s in read.rewritten] == [p.removeprefix("unet.") for p in READ_SITES]
+    whole_backend = tome_backend(0.5, compiler="eager", use_rand=False)
+    whole = run(torch.compile(copy.deepcopy(wrapper), backend=whole_backend), inputs, [999, 749])
+    assert all(torch.equal(a, b) for a, b in zip(got, whole, strict=True))
