@@ -150,7 +150,8 @@ def test_served_pictures_equal_offline_ones_and_tome_differs_from_plain(server):
     ({"steps": 1000}, "steps"),
     ({"seed": -1}, "seed"),
     ({"seed": "7"}, "seed"),
-    ({"guidance": float("inf")}, "guidance"),
+    ({"guidance_scale": float("inf")}, "guidance_scale"),
+    ({"guidance": -1}, "guidance_scale"),  # the older name, still taken and checked
     ({"ratio": 0.3}, "ratio"),
     ({"size": 512}, "size"),
     ({"colour": "red"}, "colour"),
@@ -280,18 +281,23 @@ def test_sigterm_drains_then_shuts_serve_and_ray_down(server):
 
 # --- without a cluster -------------------------------------------------------------------------
 LIMITS = Limits(ratios=(0.0, 0.5), default_ratio=0.5, sizes=(32,), default_size=32, default_steps=12,
-                default_guidance=2.5)
+                default_guidance_scale=2.5)
 
 
 def test_a_request_takes_defaults_and_keeps_its_own_fields():
     job = parse_job({"prompt": "red circle", "seed": 5, "ratio": 0}, LIMITS)
     assert (job.prompt, job.seed) == ("red circle", 5)
-    assert (job.settings.steps, job.settings.guidance, job.settings.ratio, job.settings.size) == (
+    assert (job.settings.steps, job.settings.guidance_scale, job.settings.ratio, job.settings.size) == (
         12,
         2.5,
         0.0,
         32,
     )
+    older = parse_job({"prompt": "red circle", "guidance": 4.0}, LIMITS)  # the CFG scale's older name
+    assert older == parse_job({"prompt": "red circle", "guidance_scale": 4.0}, LIMITS)
+    assert older.settings.guidance_scale == 4.0
+    with pytest.raises(RequestError, match="give guidance_scale or its older name guidance, not both"):
+        parse_job({"prompt": "red circle", "guidance": 4.0, "guidance_scale": 3.0}, LIMITS)
     for body, words in [
         ([1, 2], "body: must be a JSON object"),
         ({"seed": 1}, "prompt: required"),

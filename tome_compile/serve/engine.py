@@ -93,7 +93,7 @@ class Engine:
     """The model and its denoisers; :meth:`render` makes the pictures of a list of jobs."""
 
     def __init__(self, spec: ServeSpec) -> None:
-        from tome_compile.shapes.demo import load_target
+        from tome_compile.targets import load_target
 
         self.spec = spec
         self.target = load_target(None if spec.model == "shapes" else spec.model, device=spec.device)
@@ -111,7 +111,7 @@ class Engine:
         ratios = tuple(sorted(self.denoisers))
         self.limits = Limits(ratios=ratios, default_ratio=max(ratios), sizes=sizes, default_size=size,
                              default_steps=12 if self.target.shapes_prompts else 25,
-                             default_guidance=2.5 if self.target.shapes_prompts else 7.5,
+                             default_guidance_scale=2.5 if self.target.shapes_prompts else 7.5,
                              check_prompt=self._shapes_prompt if self.target.shapes_prompts else None)
 
     @staticmethod
@@ -154,7 +154,8 @@ class Engine:
                             prompt=prompt,
                             seed=0,
                             settings=Settings(
-                                steps=2, guidance=self.limits.default_guidance, ratio=ratio, size=size
+                                steps=2, guidance_scale=self.limits.default_guidance_scale, ratio=ratio,
+                                size=size,
                             ),
                         )
                     ]
@@ -185,7 +186,7 @@ class Engine:
         seeds = [j.seed for j in jobs] + [jobs[0].seed] * pad
         with torch.no_grad(), generation():
             images = self.target.sample(self.denoisers[settings.ratio], prompts, seeds, settings.steps,
-                                        settings.guidance, size=settings.size)
+                                        settings.guidance_scale, size=settings.size)
         return images[:len(jobs)]
 
 

@@ -1,7 +1,8 @@
 """What a ``POST /generate`` may ask for, checked before it reaches a replica (no Ray needed here).
 
-A request is a JSON object ``{"prompt": str, "seed": int, "steps": int, "guidance": float,
-"ratio": float, "size": int}``; only ``prompt`` is required. Every limit is a field of
+A request is a JSON object ``{"prompt": str, "seed": int, "steps": int, "guidance_scale": float,
+"ratio": float, "size": int}``; only ``prompt`` is required (``"guidance"`` is the CFG scale's older
+name, still taken). Every limit is a field of
 :class:`Limits`, set from the served model, and every refusal names the field, the value and the
 limit (the server answers it with ``422 {"error": ...}``).
 """
@@ -16,7 +17,8 @@ from tome_compile.errors import ToMeError
 
 __all__ = ["FIELDS", "Job", "Limits", "RequestError", "Settings", "parse_job"]
 
-FIELDS = ("prompt", "seed", "steps", "guidance", "ratio", "size")
+FIELDS = ("prompt", "seed", "steps", "guidance_scale", "ratio", "size")
+ALIASES = {"guidance": "guidance_scale"}  # older field names, still taken
 MAX_SEED = 2 ** 63 - 1
 
 
@@ -33,7 +35,7 @@ class Settings:
     """What the requests of one denoising loop share (they are batched only with equal settings)."""
 
     steps: int
-    guidance: float
+    guidance_scale: float  # classifier-free guidance scale
     ratio: float
     size: int
 
@@ -56,9 +58,9 @@ class Limits:
     sizes: tuple[int, ...]
     default_size: int
     default_steps: int
-    default_guidance: float
+    default_guidance_scale: float
     max_steps: int = 100
-    max_guidance: float = 30.0
+    max_guidance_scale: float = 30.0
     max_prompt: int = 300
     # raises ValueError (shapes: vocabulary)
     check_prompt: Any = field(default=None, compare=False, repr=False)
@@ -88,6 +90,11 @@ def parse_job(body: Any, limits: Limits) -> Job:
         raise RequestError(
             "body", f"must be a JSON object with the fields {list(FIELDS)}, not {type(body).__name__}"
         )
+    for old, new in ALIASES.items():
+        if old in body:
+            if new in body:
+                raise RequestError(old, f"give {new} or its older name {old}, not both")
+            body = {**{k: v for k, v in body.items() if k != old}, new: body[old]}
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise RequestError(unknown[0], f"unknown field (the fields are {list(FIELDS)})")
@@ -103,7 +110,8 @@ def parse_job(body: Any, limits: Limits) -> Job:
             raise RequestError("prompt", str(e)) from None
     seed = _integer(body, "seed", 0, 0, MAX_SEED)
     steps = _integer(body, "steps", limits.default_steps, 1, limits.max_steps)
-    guidance = _number(body, "guidance", limits.default_guidance, 0.0, limits.max_guidance)
+    guidance_scale = _number(body, "guidance_scale", limits.default_guidance_scale, 0.0,
+                             limits.max_guidance_scale)
     ratio = _number(body, "ratio", limits.default_ratio, 0.0, 1.0)
     if not any(math.isclose(ratio, r, abs_tol=1e-9) for r in limits.ratios):
         raise RequestError(
@@ -116,5 +124,6 @@ def parse_job(body: Any, limits: Limits) -> Job:
         raise RequestError("size", f"{size} is not served here; sizes are {list(limits.sizes)}")
     ratio = next(r for r in limits.ratios if math.isclose(ratio, r, abs_tol=1e-9))
     return Job(
-        prompt=prompt, seed=seed, settings=Settings(steps=steps, guidance=guidance, ratio=ratio, size=size)
+        prompt=prompt, seed=seed, settings=Settings(steps=steps, guidance_scale=guidance_scale, ratio=ratio,
+                                                 size=size)
     )

@@ -13,17 +13,16 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tome_compile.arguments import image_size, positive_int
-from tome_compile.errors import ToMeError, ToMeModelError
+from tome_compile.errors import ToMeError
 from tome_compile.shapes.grid import labelled_grid
 from tome_compile.shapes.sample import DEFAULT_GUIDANCE, DEFAULT_STEPS, compile_unet, write_atomically
+from tome_compile.targets import load_target
 
 __all__ = ["main"]
 
@@ -41,101 +40,6 @@ EPILOG = """examples:
   tome-demo --ratio 0.7 --steps 30 --out demo_0.7.png
   tome-demo --prompts "red ring" "blue cross" --seeds 4 --compiler eager
 """
-
-
-@dataclass
-class Target:
-    """What the demo (and a ``tome-serve`` replica) generates with: a U-Net to compile and a sampler
-    that takes any U-Net callable: ``sample(unet, prompts, seeds, steps, guidance, size=None)``."""
-
-    name: str
-    unet: torch.nn.Module
-    sample: Callable[..., torch.Tensor]  # -> [N, 3, H, W] in [0, 1]
-    shapes_prompts: bool  # prompts are "<colour> <shape>" and the probe can score the pictures
-    size: int = 32  # the picture size it makes by default (its sampler's size=None)
-
-
-def load_target(model: str | None, size: int | None = None, device: str = "cpu") -> Target:
-    """The shipped shapes model, a shapes-model folder, a diffusers pipeline folder
-    (``model_index.json``) or a diffusers U-Net folder with the shapes model's interface, on
-    ``device``."""
-    from tome_compile.shapes.model import SHIPPED_WEIGHTS, load_model
-    from tome_compile.shapes.sample import generate
-
-    folder = Path(model) if model else SHIPPED_WEIGHTS
-    if not folder.exists():
-        raise ToMeModelError(
-            f"--model {str(folder)!r} does not exist; give a shapes-model folder, a diffusers "
-            "pipeline folder (with model_index.json) or a U-Net folder (config.json)"
-        )
-    if (folder / "model_index.json").is_file():
-        return _pipeline_target(folder, size, device)
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    if config.get("_class_name") == "UNet2DConditionModel":
-        from diffusers import UNet2DConditionModel
-
-        interface = {"in_channels": 3, "out_channels": 3, "sample_size": 32, "cross_attention_dim": 64}
-        wrong = {k: config.get(k) for k, v in interface.items() if config.get(k) != v}
-        if wrong:
-            raise ToMeModelError(
-                f"U-Net {str(folder)!r} has {wrong}, not the shapes model's {interface}: a U-Net "
-                "alone cannot make pictures without its text encoder and VAE; give the pipeline "
-                "folder (the one with model_index.json) instead"
-            )
-        shapes = load_model()  # the shipped prompt encoder
-        shapes.unet = UNet2DConditionModel.from_pretrained(folder, local_files_only=True).eval()
-    else:
-        shapes = load_model(folder)
-    def sample(unet: Any, prompts: list[str], seeds: list[int], steps: int, guidance: float,
-               size: int | None = None) -> torch.Tensor:
-        return generate(shapes, prompts, seeds, steps=steps, guidance=guidance, unet=unet, size=size or 32)
-
-    return Target(str(folder) if model else "shipped shapes model", shapes.unet, sample, True)
-
-
-def _pipeline_target(folder: Path, size: int | None, device: str = "cpu") -> Target:
-    from diffusers import DiffusionPipeline
-
-    try:
-        pipe = DiffusionPipeline.from_pretrained(folder, local_files_only=True, safety_checker=None)
-    except Exception as e:  # diffusers raises many types for a broken folder
-        raise ToMeModelError(
-            f"could not load the diffusers pipeline in {str(folder)!r} ({type(e).__name__}: "
-            f"{e}); check that every component named in model_index.json is saved there"
-        ) from e
-    if not hasattr(pipe, "unet"):
-        raise ToMeModelError(
-            f"pipeline {type(pipe).__name__} in {str(folder)!r} has no .unet to merge tokens in"
-        )
-    pipe.set_progress_bar_config(disable=True)
-    pipe.to(device)
-    original = pipe.unet
-
-    @torch.no_grad()
-    def sample(unet: Any, prompts: list[str], seeds: list[int], steps: int, guidance: float,
-               size: int | None = None) -> torch.Tensor:
-        from tome_compile.state import generation
-
-        pipe.unet = unet
-        try:
-            side = size or default
-            with generation(guidance="cfg" if guidance > 1 else "none"):  # the pipeline's batches
-                out = pipe(
-                    prompt=prompts,
-                    num_inference_steps=steps,
-                    guidance_scale=guidance,
-                    height=side,
-                    width=side,
-                    generator=[torch.Generator().manual_seed(s) for s in seeds],
-                    output_type="pt",
-                )
-        finally:
-            pipe.unet = original
-        return out.images.float().clamp(0, 1)
-
-    default = size or int(original.config.sample_size) * int(getattr(pipe, "vae_scale_factor", 8))
-    return Target(str(folder), original, sample, False, size=default)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"denoising steps (default: {DEFAULT_STEPS} for the shapes model, 25 for a pipeline)",
     )
     parser.add_argument(
+        "--guidance-scale",
         "--guidance",
+        dest="guidance_scale",
         type=float,
         default=None,
         help=f"CFG scale (default: {DEFAULT_GUIDANCE} for the shapes model, 7.5 for a pipeline)",
@@ -235,8 +141,8 @@ def _run(args: argparse.Namespace) -> int:
     target = load_target(args.model, args.size)
     if args.steps is None:
         args.steps = DEFAULT_STEPS if target.shapes_prompts else 25
-    if args.guidance is None:
-        args.guidance = DEFAULT_GUIDANCE if target.shapes_prompts else 7.5
+    if args.guidance_scale is None:
+        args.guidance_scale = DEFAULT_GUIDANCE if target.shapes_prompts else 7.5
     if target.shapes_prompts:
         for p in args.prompts:
             tokenize(p)  # clear error for an unknown word
@@ -257,12 +163,12 @@ def _run(args: argparse.Namespace) -> int:
             bar.set_postfix_str(f"{name}: compile + warm-up")
             start = time.perf_counter()
             # same shapes: no recompile
-            target.sample(compiled, prompts, seeds, min(2, args.steps), args.guidance)
+            target.sample(compiled, prompts, seeds, min(2, args.steps), args.guidance_scale)
             warmup[name] = time.perf_counter() - start
             bar.update(1)
             bar.set_postfix_str(f"{name}: {len(prompts)} pictures")
             start = time.perf_counter()
-            images[name] = target.sample(compiled, prompts, seeds, args.steps, args.guidance)
+            images[name] = target.sample(compiled, prompts, seeds, args.steps, args.guidance_scale)
             seconds[name] = (time.perf_counter() - start) / len(prompts)
             bar.update(1)
     for name in ran_as_another_method(backends, args.ratio):  # never label a fallback as the method
@@ -288,9 +194,10 @@ def _run(args: argparse.Namespace) -> int:
         out, lambda path: picture.save(path, format=Image.registered_extensions()[out.suffix.lower()])
     )
     meta = {"model": target.name, "prompts": prompts, "seeds": seeds, "steps": args.steps,
-            "guidance": args.guidance, "compiler": args.compiler, "rows": list(images), "results": rows}
+            "guidance_scale": args.guidance_scale, "compiler": args.compiler, "rows": list(images),
+            "results": rows}
     write_atomically(out.with_suffix(".json"), lambda path: path.write_text(json.dumps(meta, indent=1)))
-    print(f"{len(prompts)} pictures per method, {args.steps} steps, guidance {args.guidance}; "
+    print(f"{len(prompts)} pictures per method, {args.steps} steps, guidance scale {args.guidance_scale}; "
           "PSNR/SSIM = fidelity to the plain model with the same seed")
     print("| method | s / image | speed-up | PSNR vs plain | SSIM vs plain | probe accuracy |")
     print("|---|---:|---:|---:|---:|---:|")

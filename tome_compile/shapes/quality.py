@@ -42,7 +42,7 @@ NOISE_FLOOR_SEED = 1_000_000  # the second plain seed set starts here
 
 def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *, ratios: list[float],
                 methods: tuple[str, ...] = ("tome", "importance"), steps: int = DEFAULT_STEPS,
-                guidance: float = DEFAULT_GUIDANCE,
+                guidance_scale: float = DEFAULT_GUIDANCE,
                 compiler: str = "inductor", progress: bool = True) -> dict[str, Any]:
     """Generate and score the fixed set; returns per-picture numbers and the summaries."""
     from tqdm import tqdm
@@ -67,10 +67,13 @@ def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *,
                    tome_backend(ratio, seed=0, method=method, compiler=compiler, **variant_options(variant)))
         unet = compile_unet(model.unet, method, ratio, compiler, backend=backend)
         images[name] = generate(model, prompts, other_seeds if name == "plain, other seeds" else seeds,
-                                steps=steps, guidance=guidance, unet=unet)
+                                steps=steps, guidance_scale=guidance_scale, unet=unet)
         if backend is not None and not any(report.modified for report in backend.reports):
             raise ToMeError(f"{name}: the ToMe backend never rewrote a graph in this run; its pictures would "
                             "be the plain model's")
+        if method == "importance" and not backend.driver.calls_by_kind["importance"]:
+            raise ToMeError(f"{name}: no call had a guidance map (every call used ToMe plans); its pictures "
+                            "would be random ToMe's")
         logger.info("generated %d pictures: %s", len(prompts), name)
 
     plain = images["plain"]
@@ -106,7 +109,7 @@ def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *,
                     entry[f"closer_{key}"] = bootstrap_mean((x > y).double() + 0.5 * (x == y).double())
                 paired.append(entry)
     return {"pictures": len(prompts), "prompts": prompts, "seeds": seeds, "other_seeds": other_seeds,
-            "steps": steps, "guidance": guidance, "compiler": compiler, "ratios": ratios,
+            "steps": steps, "guidance_scale": guidance_scale, "compiler": compiler, "ratios": ratios,
             "rows": rows, "paired": paired, "per_image": per_image}
 
 
@@ -116,7 +119,8 @@ def _ci(v: tuple[float, float, float], fmt: str) -> str:
 
 def format_tables(result: dict[str, Any]) -> str:
     lines = [(f"{result['pictures']} prompt x seed pairs, {result['steps']} DDIM steps, guidance "
-             f"{result['guidance']}, compiler {result['compiler']}; mean [bootstrap 95% interval]; "
+             f"scale {result['guidance_scale']}, compiler {result['compiler']}; "
+             "mean [bootstrap 95% interval]; "
              "fidelity to the plain model with the same seed"), "",
              "| method | PSNR vs plain (dB) | SSIM vs plain | probe feature distance | probe accuracy |",
              "|---|---:|---:|---:|---:|"]
@@ -154,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(e.g. tome-shared tome-shared-every3); paired deltas are against tome")
     parser.add_argument("--seeds", type=positive_int, default=4, help="seeds per prompt (30 prompts)")
     parser.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, help="DDIM steps")
-    parser.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE, help="CFG scale")
+    parser.add_argument("--guidance-scale", "--guidance", dest="guidance_scale", type=float,
+                        default=DEFAULT_GUIDANCE, help="CFG scale")
     parser.add_argument("--compiler", default="inductor", help="inner compiler: inductor or eager")
     parser.add_argument("--out", default="bench/quality.json", help="JSON with every per-picture number")
     args = parser.parse_args(argv)
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             ratios=args.ratios,
             methods=tuple(args.variants),
             steps=args.steps,
-            guidance=args.guidance,
+            guidance_scale=args.guidance_scale,
             compiler=args.compiler,
         )
     except (ToMeError, ValueError) as e:

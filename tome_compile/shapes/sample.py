@@ -27,7 +27,7 @@ DEFAULT_GUIDANCE = 2.5
 
 @torch.no_grad()
 def generate(model: ShapesModel, prompts: list[str], seeds: list[int], *, steps: int = DEFAULT_STEPS,
-             guidance: float = DEFAULT_GUIDANCE, unet: Callable[..., Any] | None = None,
+             guidance_scale: float = DEFAULT_GUIDANCE, unet: Callable[..., Any] | None = None,
              size: int = 32) -> torch.Tensor:
     """``[N, 3, size, size]`` images in ``[0, 1]`` (the model was trained at 32); the batch is
     ``[uncond x N; cond x N]`` per step."""
@@ -53,7 +53,7 @@ def generate(model: ShapesModel, prompts: list[str], seeds: list[int], *, steps:
         for t in scheduler.timesteps:
             eps = unet(torch.cat([x, x]), t, encoder_hidden_states=ehs).sample
             eps_uncond, eps_cond = eps.chunk(2)
-            eps = eps_uncond + guidance * (eps_cond - eps_uncond)
+            eps = eps_uncond + guidance_scale * (eps_cond - eps_uncond)
             x = scheduler.step(eps, t, x).prev_sample
     return ((x.clamp(-1, 1) + 1) / 2).float().cpu()
 
