@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from tome_compile.export.metadata import ExportMetadata
 from tome_compile.export.parity import default_providers
-from tome_compile.passes import SEED_INPUT
 
 from tome_compile.errors import ToMeExportError
 from tome_compile.guidance import GUIDANCE, random_destinations
+from tome_compile.inputs import SEED_INPUT
 from tome_compile.state import CallDriver, CallState, check_seed
 
 __all__ = ["ToMeSession", "lean_memory_options"]

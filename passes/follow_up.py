@@ -26,6 +26,10 @@ The export composes ``[merge, fallback_plans, either_plans, hash_random, head_me
 backend ``[merge, keep_plans]`` and ``[merge, reuse_plans]``.
 
 A new form of the graph is one more function here, composed after the pass by its caller.
+
+The rewrite calls every plan function with its tensor operands as keywords (``metric=``,
+``choice=``, ``importance=``, ...): a follow-up pass reads them by name (``node.kwargs``), never by
+position, so a new argument of a plan function breaks nothing here.
 """
 
 from __future__ import annotations
@@ -34,23 +38,14 @@ import dataclasses
 import operator
 
 import torch
-from tome_compile.passes.merge_self_attention import (
-    HAS_MAP_INPUT,
-    PLAN_SLOTS,
-    PLAN_WEIGHTS,
-    REUSE_INPUT,
-    SEED_INPUT,
-    ToMeResult,
-    ToMeSite,
-    partition_spec,
-)
+from tome_compile.passes.result import ToMeResult, ToMeSite
 from torch import fx
 
 from tome_compile import merge as _merge
 from tome_compile import plans as _plans
 from tome_compile import sampler as _sampler
 from tome_compile.errors import ToMeRewriteError
-from tome_compile.inputs import ToMeInputSpec
+from tome_compile.inputs import HAS_MAP_INPUT, REUSE_INPUT, ToMeInputSpec, partition_spec
 from tome_compile.plans import PlanGeometry, PlanSlice
 
 __all__ = ["either_plans", "fallback_plans", "hash_random", "head_merges", "keep_plans", "reuse_plans"]
@@ -72,10 +67,11 @@ def _hash_block_cells(graph: fx.Graph, partition: fx.Node, seed: fx.Node, timest
     """Each block's cells of ``partition`` (a ``block_cells`` node) hashed in the block: only its
     own counters, when the block runs (not the whole partition at the start of a call)."""
     for user in [u for u in partition.users if u.target is _sampler.block_cells]:
-        _, offset, cells, metric = user.args
+        take = user.kwargs
         with graph.inserting_before(user):
-            value = graph.call_function(_sampler.hashed_block_cells,
-                                        (seed, timestep, offset, cells, choices, metric))
+            value = graph.call_function(_sampler.hashed_block_cells, (), dict(
+                seed=seed, timestep=timestep, offset=take["offset"], cells=take["cells"], choices=choices,
+                metric=take["metric"]))
         value.meta["tome"] = dict(user.meta.get("tome", {}), hashed=True)
         user.replace_all_uses_with(value)
         graph.erase_node(user)
@@ -98,7 +94,7 @@ def hash_random(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     timestep = placeholders[result.io.timestep_index]
     first = min(drawn, key=placeholders.index)
-    spec = ToMeInputSpec(SEED_INPUT, (), torch.int64, "seed")
+    spec = ToMeInputSpec.of("seed", (), torch.int64)
     with graph.inserting_before(first):
         seed = graph.placeholder(spec.name)
     seed.meta["tome"] = {"role": "input", "spec": spec}
@@ -134,8 +130,9 @@ def hash_random(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
 def _own_plans(graph: fx.Graph) -> list[tuple[fx.Node, PlanGeometry]]:
     """The plan nodes of the blocks that make a plan (not those that share one), in execution
     order, with their sizes: what the rewrite tagged."""
-    slots = [n for n in graph.nodes if n.meta.get("tome", {}).get("made") and n.args[1] == 0]
-    return [(n.args[0], n.args[0].meta["tome"]["geometry"]) for n in slots]
+    slots = [n for n in graph.nodes if n.meta.get("tome", {}).get("made") == "slot"]
+    plans = [n.args[0] for n in slots]  # operator.getitem(plan, 0)
+    return [(p, p.meta["tome"]["geometry"]) for p in plans]
 
 
 def _state_specs(result: ToMeResult, plans: list[tuple[fx.Node, PlanGeometry]]) -> list[ToMeInputSpec]:
@@ -144,8 +141,8 @@ def _state_specs(result: ToMeResult, plans: list[tuple[fx.Node, PlanGeometry]]) 
     if b is None:
         raise ToMeRewriteError("plan_every needs a batch size known when the graph is rewritten")
     tokens, kept = sum(g.tokens for _, g in plans), sum(g.kept for _, g in plans)
-    return [ToMeInputSpec(PLAN_SLOTS, (b * tokens,), torch.int64, "plan_slot"),
-            ToMeInputSpec(PLAN_WEIGHTS, (b * kept,), torch.float32, "plan_weight")]
+    return [ToMeInputSpec.of("plan_slot", (b * tokens,), torch.int64),
+            ToMeInputSpec.of("plan_weight", (b * kept,), torch.float32)]
 
 
 def _plan_every_note(result: ToMeResult, what: str) -> list[ToMeSite]:
@@ -194,7 +191,8 @@ def reuse_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
     state = _append_inputs(graph, specs)
     for (node, geometry), where in zip(own, _slices(own), strict=True):
         with graph.inserting_before(node):
-            fed = graph.call_function(_plans.unpack_plan, (*state, node.args[0], where, geometry))
+            fed = graph.call_function(_plans.unpack_plan, (), dict(
+                slots=state[0], weights=state[1], like=node.kwargs["metric"], where=where, geometry=geometry))
         _replace(node, fed)
     _drop_unused(graph)
     left = {n.name for n in graph.nodes if n.op == "placeholder"}
@@ -221,13 +219,12 @@ def _drop_unused(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
-# How to call plans.make_plan / plan_or_reuse for a plan node the rewrite made: its method, its
-# metric and choice, and the importance inputs (the positional arguments of each plan function).
+# The plans.make_plan method of each plan function the rewrite (or fallback_plans) calls, and the
+# map operands it reads besides ``metric`` and ``choice`` (read by name from the node's keywords)
 _MAKERS = {
-    _merge.tome_plan: lambda a: ("tome", a[0], a[1], {}),
-    _merge.importance_plan: lambda a: ("importance", a[0], None, {"importance": a[1], "dst_key": a[2]}),
-    _plans.importance_or_tome_plan: lambda a: ("importance_or_tome", a[0], a[4],
-                                              {"has_map": a[1], "importance": a[2], "dst_key": a[3]}),
+    _merge.tome_plan: ("tome", ()),
+    _merge.importance_plan: ("importance", ("importance", "dst_key")),
+    _plans.importance_or_tome_plan: ("importance_or_tome", ("has_map", "importance", "dst_key")),
 }
 
 
@@ -240,13 +237,15 @@ def either_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
     if not own:
         return result
     graph = gm.graph
-    specs = [*_state_specs(result, own), ToMeInputSpec(REUSE_INPUT, (), torch.bool, "reuse")]
+    specs = [*_state_specs(result, own), ToMeInputSpec.of("reuse", (), torch.bool)]
     slots, weights, reuse = _append_inputs(graph, specs)
     for (node, geometry), where in zip(own, _slices(own), strict=True):
-        method, metric, choice, maps = _MAKERS[node.target](node.args)
+        method, operands = _MAKERS[node.target]
+        maps = {name: node.kwargs[name] for name in operands}
         with graph.inserting_before(node):
-            args = (reuse, slots, weights, where, method, metric, choice, geometry)
-            either = graph.call_function(_plans.plan_or_reuse, args, maps)
+            either = graph.call_function(_plans.plan_or_reuse, (), dict(
+                reuse=reuse, slots=slots, weights=weights, where=where, method=method,
+                metric=node.kwargs["metric"], choice=node.kwargs.get("choice"), geometry=geometry, **maps))
         _replace(node, either)
     graph.lint()
     gm.recompile()
@@ -297,7 +296,7 @@ def fallback_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
         return result
     graph = gm.graph
     inputs = _inputs_by_draw(graph)
-    flag = ToMeInputSpec(HAS_MAP_INPUT, (), torch.bool, "has_map")
+    flag = ToMeInputSpec.of("has_map", (), torch.bool)
     with graph.inserting_after(inputs["importance"]):
         has_map = graph.placeholder(flag.name)
     has_map.meta["tome"] = {"role": "input", "spec": flag}
@@ -309,15 +308,16 @@ def fallback_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
         specs.append(spec)
     offset = 0
     for node, geometry in own:
-        metric, fitted, key = node.args[:3]
+        metric = node.kwargs["metric"]
         with graph.inserting_before(node):
             choice = None
             if partition is not None:
-                cells = (partition, offset, geometry.cells, metric)
-                choice = graph.call_function(_sampler.block_cells, cells)
+                choice = graph.call_function(_sampler.block_cells, (), dict(
+                    partition=partition, offset=offset, cells=geometry.cells, metric=metric))
                 choice.meta["tome"] = {"site": node.meta["tome"]["site"], "role": "plan"}
-            args = (metric, has_map, fitted, key, choice, geometry)
-            either = graph.call_function(_plans.importance_or_tome_plan, args)
+            either = graph.call_function(_plans.importance_or_tome_plan, (), dict(
+                metric=metric, has_map=has_map, importance=node.kwargs["importance"],
+                dst_key=node.kwargs["dst_key"], choice=choice, geometry=geometry))
         _replace(node, either)
         offset += geometry.cells
     graph.lint()

@@ -19,11 +19,12 @@ import dataclasses
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from tome_compile.passes import sites as _sites
 from tome_compile.passes.decide import BlockPlan, Skip, decide_site
+from tome_compile.passes.result import ToMeResult, ToMeSite
 from tome_compile.passes.rewrite import BlockInputs, rewrite_block
 from tome_compile.passes.unet_io import UNetIO, find_unet_io
 from torch import fx
@@ -32,105 +33,12 @@ from tome_compile import merge as _merge
 from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeRewriteError
 from tome_compile.guidance import GuidanceLayout, random_destinations, resolve_guidance
-from tome_compile.inputs import ToMeInputSpec
+from tome_compile.inputs import ToMeInputSpec, partition_spec
 
-__all__ = [
-    "DST_KEY_INPUT",
-    "HAS_MAP_INPUT",
-    "IMPORTANCE_INPUT",
-    "PARTITION_INPUT",
-    "PLAN_SLOTS",
-    "PLAN_STATES",
-    "PLAN_WEIGHTS",
-    "REUSE_INPUT",
-    "SEED_INPUT",
-    "ToMeResult",
-    "ToMeSite",
-    "merge_self_attention",
-    "nothing_rewritten",
-]
+__all__ = ["merge_self_attention", "nothing_rewritten"]
 
 logger = logging.getLogger("tome_compile.passes")
 
-PARTITION_INPUT = "tome_partition"
-IMPORTANCE_INPUT = "tome_importance"
-HAS_MAP_INPUT = "tome_has_map"
-DST_KEY_INPUT = "tome_dst_key"
-SEED_INPUT = "tome_seed"
-# plan_every: the packed plans of a call, a graph output fed back as an input at the next calls
-PLAN_SLOTS = "tome_plan_slots"
-PLAN_WEIGHTS = "tome_plan_weights"
-REUSE_INPUT = "tome_reuse_plan"
-# How a graph handles plan state: None (no state, tomesd), "make" (plan every block, return the
-# plans as extra outputs), "reuse" (take every plan from the inputs, no matching at all), "either"
-# (one graph for both: a tome_reuse_plan input picks per call, the plans used are returned).
-PLAN_STATES = (None, "make", "reuse", "either")
-
-
-@dataclass(frozen=True)
-class ToMeSite:
-    """One row of the site report."""
-
-    path: str
-    kind: str
-    tokens: int | None
-    tokens_after: int | None
-    grid: tuple[int, int] | None
-    downsample: int | None
-    rewritten: bool
-    reason: str
-    targets: tuple[str, ...] = ()
-
-    def line(self) -> str:
-        tokens = "?" if self.tokens is None else str(self.tokens)
-        after = f" -> {self.tokens_after}" if self.rewritten else ""
-        state = "rewritten" if self.rewritten else "skipped"
-        what = f" [{'+'.join(self.targets)}]" if self.targets else ""
-        return f"{self.path}  {self.kind}  {tokens}{after} tokens  {state}{what}: {self.reason}"
-
-
-@dataclass
-class ToMeResult:
-    """What the pass did: the (rewritten) module, whether it changed, and every candidate site.
-
-    ``inputs`` describes the graph inputs the pass appended, in order: the caller feeds them last
-    (:func:`tome_compile.inputs.draw_tome_inputs` draws their values). ``outputs`` describes the
-    graph outputs it appended after the model's own (the plan state of ``plan_state="make"`` /
-    ``"either"``). ``method`` is the method the graph's plans use ("tome" when importance had no
-    CFG pair to work from).
-    """
-
-    graph_module: fx.GraphModule
-    modified: bool
-    sites: list[ToMeSite]
-    inputs: list[ToMeInputSpec] = field(default_factory=list)
-    latent_hw: tuple[int, int] | None = None
-    batch: int | None = None
-    method: str = "tome"
-    outputs: list[ToMeInputSpec] = field(default_factory=list)
-    plan_state: str | None = None
-    guidance: GuidanceLayout | None = None  # importance: the layout its plans and map assume
-    io: UNetIO | None = None  # the graph's U-Net inputs, output and passes, as found before the rewrite
-    config: ToMeConfig | None = None  # what the pass was run with (the follow-up passes read it)
-    plan_batch: int | None = None  # the batch plan state is sized by (a symbolic batch's traced value)
-
-    @property
-    def rewritten(self) -> list[ToMeSite]:
-        return [s for s in self.sites if s.rewritten]
-
-    @property
-    def input_names(self) -> list[str]:
-        return [spec.name for spec in self.inputs]
-
-    def summary(self) -> str:
-        """A readable table of every candidate site and its decision."""
-        head = f"ToMe: rewrote {len(self.rewritten)} of {len(self.sites)} attention sites"
-        return "\n".join([head] + ["  " + s.line() for s in self.sites])
-
-    def count_nodes(self, role: str) -> int:
-        """Number of inserted nodes with ``node.meta['tome']['role'] == role`` (merge, unmerge, plan)."""
-        return sum(1 for n in self.graph_module.graph.nodes
-                   if n.meta.get("tome", {}).get("role") == role)
 
 
 @dataclass(frozen=True)
@@ -220,20 +128,13 @@ def _add_plan_inputs(gm: fx.GraphModule, plans: list[BlockPlan], config: ToMeCon
     if importance:
         assert latent is not None and batch is not None and mode.guidance is not None
         images = batch // mode.guidance.groups
-        add(ToMeInputSpec(IMPORTANCE_INPUT, (images, *latent), torch.float32, "importance"))
+        add(ToMeInputSpec.of("importance", (images, *latent), torch.float32))
     drawn = tuple(layout.cells[i] for i in layout.own)
     if importance and mode.use_rand:
-        add(ToMeInputSpec(DST_KEY_INPUT, (images, sum(layout.pools)), torch.float32, "dst_key"))
+        add(ToMeInputSpec.of("dst_key", (images, sum(layout.pools)), torch.float32))
     if mode.use_rand and not importance:
         add(partition_spec(drawn, config.sx * config.sy))
     return specs, nodes
-
-
-def partition_spec(cells: tuple[tuple[int, int], ...], choices: int) -> ToMeInputSpec:
-    """The ``tome_partition`` input: for each block that makes a plan, its ``rows x cols`` cells
-    (one destination each, ``choices`` tokens to pick it from), concatenated in block order."""
-    return ToMeInputSpec(PARTITION_INPUT, (sum(a * b for a, b in cells),), torch.int64, "partition",
-                         cells=cells, choices=choices)
 
 
 def _rewrite_blocks(graph: fx.Graph, plans: list[BlockPlan], config: ToMeConfig, mode: _Mode, layout: _Layout,
@@ -493,7 +394,6 @@ def merge_self_attention(
     oracle: bool = False,
     validate: bool = True,
     method: str | None = None,
-    plan_state: str | None = None,
     io: UNetIO | None = None,
 ) -> ToMeResult:
     """Rewrite every high-resolution self-attention of ``gm`` in place and report every site.
@@ -510,21 +410,14 @@ def merge_self_attention(
             type-check is put back and reported as skipped (never a graph that crashes).
         method: ``"tome"`` or ``"importance"`` (default ``config.method``). Importance plans read
             the ``tome_importance`` input ``[B/2, H, W]`` (and ``tome_dst_key`` with ``use_rand``).
-        plan_state: ``plan_every``'s state (see ``PLAN_STATES``), a shorthand for the canonical
-            pass followed by one of the follow-up passes (:mod:`.follow_up`): ``"make"``
-            (``keep_plans``) returns the plans of the blocks that make one as two more outputs
-            (``tome_plan_slots_out``, ``tome_plan_weights_out``); ``"reuse"`` (``reuse_plans``)
-            takes every plan from ``tome_plan_slots`` / ``tome_plan_weights`` inputs (no matching,
-            nothing drawn); ``"either"`` (``either_plans``) does both with a ``tome_reuse_plan``
-            bool input choosing per call (``torch.cond``, ONNX ``If``).
         io: :func:`~tome_compile.passes.unet_io.find_unet_io` of ``gm`` as it is now (before any
             rewrite), when the caller has it; found here otherwise. Carried on the result.
     Returns:
         :class:`ToMeResult`; ``inputs`` describes the graph inputs appended to ``gm`` (feed them
-        last, in that order), ``outputs`` the outputs appended after the model's own.
+        last, in that order). The graph is the canonical form: ``plan_every``'s state (plans
+        returned, reused, or either per call) and the in-graph random draws are follow-up passes
+        (:mod:`.follow_up`) that the caller composes after this one.
     """
-    if plan_state not in PLAN_STATES:
-        raise ToMeRewriteError(f"plan_state={plan_state!r} is not one of {PLAN_STATES}")
     io = io or find_unet_io(gm)
     found = _sites.find_attention_sites(gm, io.spans)
     passes = list(io.passes)
@@ -543,12 +436,4 @@ def merge_self_attention(
                         batch=batch, guidance=mode.guidance if kept else None,
                         method=mode.method if kept else (method or config.method), io=io, config=config,
                         plan_batch=hint)
-    return _plan_state_form(gm, result, plan_state) if kept and plan_state and not oracle else result
-
-
-def _plan_state_form(gm: fx.GraphModule, result: ToMeResult, plan_state: str) -> ToMeResult:
-    """``plan_state`` is a form of the canonical graph: the follow-up pass that makes it."""
-    from tome_compile.passes import follow_up  # (it imports this module)
-
-    form = {"make": follow_up.keep_plans, "reuse": follow_up.reuse_plans, "either": follow_up.either_plans}
-    return form[plan_state](gm, result)
+    return result

@@ -77,18 +77,22 @@ def _plan(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: BlockInputs,
     """The plan node ``(slot, weight)`` of the block, right after the attention input."""
     (h, w), r, path = plan.grid, plan.merged, plan.site.path
 
-    def call(fn: Any, *args: Any, **kwargs: Any) -> fx.Node:
-        return _tag(graph.call_function(fn, args, kwargs), path, "plan")
+    def call(fn: Any, **operands: Any) -> fx.Node:  # by name: the follow-up passes read them so
+        return _tag(graph.call_function(fn, (), operands), path, "plan")
 
     choice = None
     if io.partition is not None:
-        choice = call(_sampler.block_cells, io.partition, io.cell_offset, geometry.cells, plan.metric)
+        choice = call(_sampler.block_cells, partition=io.partition, offset=io.cell_offset,
+                      cells=geometry.cells, metric=plan.metric)
     if io.method != "importance":
-        return call(_merge.tome_plan, plan.metric, choice, h, w, config.sx, config.sy, r)
-    key = call(torch.narrow, io.dst_key, 1, io.key_offset, io.pool) if io.dst_key is not None else None
-    fitted = call(_merge.fit_importance, io.importance, h, w)
-    return call(_merge.importance_plan, plan.metric, fitted, key, h, w, r, config.pool_factor,
-                config.dst_fraction)
+        return call(_merge.tome_plan, metric=plan.metric, choice=choice, h=h, w=w, sx=config.sx, sy=config.sy,
+                    r=r)
+    key = None
+    if io.dst_key is not None:
+        key = _tag(graph.call_function(torch.narrow, (io.dst_key, 1, io.key_offset, io.pool)), path, "plan")
+    fitted = call(_merge.fit_importance, importance=io.importance, h=h, w=w)
+    return call(_merge.importance_plan, metric=plan.metric, importance=fitted, dst_key=key, h=h, w=w, r=r,
+                pool_factor=config.pool_factor, dst_fraction=config.dst_fraction)
 
 
 def _merge_target(graph: fx.Graph, plan: BlockPlan, target: Target, after: fx.Node,
@@ -133,7 +137,7 @@ def rewrite_block(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: Bloc
             slot = _tag(graph.call_function(operator.getitem, (node, 0)), plan.site.path, "plan")
             weight = _tag(graph.call_function(operator.getitem, (node, 1)), plan.site.path, "plan")
         # and which getitems are this block's own plan (a block that shares one has none)
-        slot.meta["tome"]["made"] = weight.meta["tome"]["made"] = True
+        slot.meta["tome"]["made"], weight.meta["tome"]["made"] = "slot", "weight"
         last = weight
     for target in plan.targets:
         _merge_target(graph, plan, target, last if target.input is plan.site.input else target.input,

@@ -57,7 +57,7 @@ def test_hash_random_turns_the_drawn_partition_into_a_seed(sd15):
     assert len(cells) == 4 and not calls(gm, block_cells)
     for node in cells:
         (plan,) = node.users
-        assert node.args[-1] is plan.args[0]  # the block's metric, what its plan matches on
+        assert node.kwargs["metric"] is plan.kwargs["metric"]  # the block's input, what its plan matches on
     assert hashed.count_nodes("merge") == drawn.count_nodes("merge") == 4
     assert all("destinations hashed from (tome_seed, timestep)" in s.reason for s in hashed.rewritten)
 
@@ -99,7 +99,7 @@ def test_keep_plans_returns_the_plans_a_reusing_graph_reproduces(sd15):
     assert slots.shape == kept.outputs[0].shape and weights.shape == kept.outputs[1].shape
 
     reuse_gm = dynamo_graph(unet, inputs)
-    reuse = merge_self_attention(reuse_gm, config, plan_state="reuse")
+    reuse = reuse_plans(reuse_gm, merge_self_attention(reuse_gm, config))
     assert torch.equal(run(reuse_gm, [*args, slots, weights])[0], out)  # the same plans, the same output
 
     # negative: a graph whose plans are fed, or that returns them already, is refused

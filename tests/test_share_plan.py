@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY_SD15, call, dynamo_graph, tiny_inputs, tiny_unet, tomesd_reference
-from tome_compile.passes.follow_up import fallback_plans
+from tome_compile.passes.follow_up import either_plans, fallback_plans, keep_plans, reuse_plans
 
 from tome_compile import ToMeConfig, generation, merge_self_attention, tome_backend
 from tome_compile.errors import ToMeConfigError, ToMeRewriteError
@@ -171,7 +171,11 @@ def test_plan_every_state_is_a_graph_output_fed_back_as_an_input(sd15):
 
     unet, inputs = sd15
     config = ToMeConfig(ratio=0.5, plan_every=2, max_downsample=2)
-    make = merge_self_attention(dynamo_graph(unet, inputs), config, plan_state="make")
+    def composed(form, config):  # the canonical pass, then a follow-up pass: the deployment form
+        gm = dynamo_graph(unet, inputs)
+        return form(gm, merge_self_attention(gm, config))
+
+    make = composed(keep_plans, config)
     assert len(make.rewritten) == 4 and len(plan_nodes(make.graph_module)) == 4
     assert [s.name for s in make.outputs] == ["tome_plan_slots_out", "tome_plan_weights_out"]
     assert make.outputs[0].shape == (2 * (3 * 256 + 64),)  # every block's slot per image, flat
@@ -181,24 +185,22 @@ def test_plan_every_state_is_a_graph_output_fed_back_as_an_input(sd15):
     assert len(out) == 3  # the model's output, then the plans
     assert all("plan kept for the next calls (plan_every=2)" in s.reason for s in make.rewritten)
 
-    reuse = merge_self_attention(dynamo_graph(unet, inputs), config, plan_state="reuse")
+    reuse = composed(reuse_plans, config)
     assert reuse.input_names == ["tome_plan_slots", "tome_plan_weights"]  # nothing drawn: no partition
     assert not plan_nodes(reuse.graph_module) and len(plan_nodes(reuse.graph_module, unpack_plan)) == 4
     assert reuse.count_nodes("merge") == 4 and reuse.count_nodes("unmerge") == 4 and not reuse.outputs
 
     # share_plan + plan_every: the state holds one plan per level
-    shared = merge_self_attention(
-        dynamo_graph(unet, inputs), config.replace(share_plan=True), plan_state="either"
-    )
+    shared = composed(either_plans, config.replace(share_plan=True))
     assert len(plan_nodes(shared.graph_module, plan_or_reuse)) == 2
     assert shared.input_names == ["tome_partition", "tome_plan_slots", "tome_plan_weights", "tome_reuse_plan"]
     assert shared.outputs[0].shape == (2 * (256 + 64),)
 
-    # negative: without plan_state the graph has no state, and an unknown state is refused
+    # negative: the canonical pass alone has no state, and a second plan-state form is refused
     plain = merge_self_attention(dynamo_graph(unet, inputs), config)
-    assert not plain.outputs and "tome_plan_slots" not in plain.input_names
-    with pytest.raises(ToMeRewriteError, match="plan_state='sometimes'"):
-        merge_self_attention(dynamo_graph(unet, inputs), config, plan_state="sometimes")
+    assert not plain.outputs and "tome_plan_slots" not in plain.input_names and plain.plan_state is None
+    with pytest.raises(ToMeRewriteError, match="already has plan state"):
+        reuse_plans(reuse.graph_module, reuse)
 
 
 @pytest.mark.parametrize("method", ["tome", "importance"])

@@ -34,6 +34,7 @@ __all__ = ["ToMeBackend", "ToMeWarning", "tome", "tome_backend"]
 logger = logging.getLogger("tome_compile")
 
 CompilerFn = Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]
+FollowUp = Callable[[fx.GraphModule, ToMeResult], ToMeResult]  # a follow-up pass (passes.follow_up)
 
 
 class ToMeWarning(UserWarning):
@@ -176,17 +177,16 @@ class ToMeBackend:
         example_inputs: Sequence[Any],
         compile_fn: CompilerFn,
         method: str,
-        plan_state: str | None = None,
+        forms: Sequence[FollowUp] = (),
         io: UNetIO | None = None,
     ) -> tuple[ToMeResult, Callable[..., Any]]:
         # Rewrite a copy: Dynamo keeps using its own graph afterwards. ``io`` (found on ``gm``) is
-        # valid for the copy: the same nodes in the same order.
+        # valid for the copy: the same nodes in the same order. ``forms``: the follow-up passes of
+        # this graph's form (plan_every: keep_plans for a planning graph, reuse_plans for a reusing one)
         rewritten = fx.GraphModule(gm, copy.deepcopy(gm.graph))
         result = merge_self_attention(rewritten, self.config, oracle=self.oracle, method=method, io=io)
-        if plan_state == "make":
-            result = keep_plans(rewritten, result)  # a planning graph returns its plans too
-        elif plan_state == "reuse":
-            result = reuse_plans(rewritten, result)  # a reusing graph takes them instead of matching
+        for form in forms if result.modified else ():
+            result = form(rewritten, result)
         mode = _fake_mode(example_inputs)
         device = _device_of(example_inputs)
         extra = [mode.from_tensor(s.zeros(device)) if mode is not None else s.zeros(device)
@@ -214,7 +214,7 @@ class ToMeBackend:
         self._note_baked_timestep(io)
         graph_io = io if found_on_gm else find_unet_io(gm)  # U-Net I/O: found once per graph
         # plans that outlive a call: every planning graph also returns its plans; a third graph reuses them
-        keep = "make" if self.config.reuses_plans and not self.oracle else None
+        keep: tuple[FollowUp, ...] = (keep_plans,) if self.config.reuses_plans and not self.oracle else ()
         result, compiled = self._rewrite_and_compile(gm, example_inputs, compile_fn, "tome", keep, graph_io)
         self.reports.append(result)
         logger.info("%s", result.summary())
@@ -246,7 +246,7 @@ class ToMeBackend:
                 runner.layout = result_imp.guidance
         if keep and result.outputs:
             result_reuse, compiled_reuse = self._rewrite_and_compile(gm, example_inputs, compile_fn, "tome",
-                                                                     "reuse", graph_io)
+                                                                     (reuse_plans,), graph_io)
             self.reports.append(result_reuse)
             runner.graphs["reuse"] = (compiled_reuse, result_reuse)
         return runner

@@ -1,4 +1,6 @@
-"""The extra graph inputs of a rewritten U-Net, described once (STYLE.md habit 16).
+"""The graph contract of a rewritten U-Net: the names of its extra inputs and outputs and how each
+is drawn, described once (STYLE.md habit 16). The pass, the follow-up passes, the backend, the
+export and ``ToMeSession`` read the names and the draw kinds from here, nowhere else.
 
 The pass appends inputs to the graph (the random destination partition, the importance map, ...)
 and returns one :class:`ToMeInputSpec` per input. Everything that feeds a rewritten graph — the
@@ -17,7 +19,9 @@ import torch
 
 from tome_compile.sampler import PartitionSampler
 
-__all__ = ["DRAWS", "FED_BACK_SUFFIX", "ToMeInputSpec", "draw_tome_inputs"]
+__all__ = ["DRAWS", "DST_KEY_INPUT", "FED_BACK_SUFFIX", "HAS_MAP_INPUT", "IMPORTANCE_INPUT", "INPUT_NAMES",
+           "PARTITION_INPUT", "PLAN_SLOTS", "PLAN_WEIGHTS", "REUSE_INPUT", "SEED_INPUT", "ToMeInputSpec",
+           "draw_tome_inputs", "partition_spec"]
 
 # How each kind of input is drawn per U-Net call; ``map`` is the importance map (or None).
 #   partition  [sum(h*w of cells)] int64  one destination choice per sx*sy cell; drawn when there is no map
@@ -30,6 +34,19 @@ __all__ = ["DRAWS", "FED_BACK_SUFFIX", "ToMeInputSpec", "draw_tome_inputs"]
 #   plan_weight [B, sum (N - r)] float32    fed back from that call's extra outputs
 #   reuse      [] bool                    plan_every, one-graph form (ONNX): reuse the fed plans
 DRAWS = ("partition", "importance", "has_map", "dst_key", "seed", "plan_slot", "plan_weight", "reuse")
+
+# The graph input of each draw kind, by name (the ONNX export's input names too)
+PARTITION_INPUT = "tome_partition"
+IMPORTANCE_INPUT = "tome_importance"
+HAS_MAP_INPUT = "tome_has_map"
+DST_KEY_INPUT = "tome_dst_key"
+SEED_INPUT = "tome_seed"
+PLAN_SLOTS = "tome_plan_slots"  # plan_every: the packed plans of a call, an output fed back as an input
+PLAN_WEIGHTS = "tome_plan_weights"
+REUSE_INPUT = "tome_reuse_plan"
+INPUT_NAMES = {"partition": PARTITION_INPUT, "importance": IMPORTANCE_INPUT, "has_map": HAS_MAP_INPUT,
+               "dst_key": DST_KEY_INPUT, "seed": SEED_INPUT, "plan_slot": PLAN_SLOTS,
+               "plan_weight": PLAN_WEIGHTS, "reuse": REUSE_INPUT}
 
 _DEFAULT = {"importance": "zeros", "has_map": "zeros", "seed": "zeros", "reuse": "zeros",
             "plan_slot": "empty", "plan_weight": "empty"}
@@ -56,6 +73,11 @@ class ToMeInputSpec:
     def __post_init__(self) -> None:
         if self.draw not in DRAWS:
             raise ValueError(f"draw={self.draw!r} is not one of {DRAWS}")
+
+    @classmethod
+    def of(cls, draw: str, shape: tuple[int, ...], dtype: torch.dtype, **grid: Any) -> ToMeInputSpec:
+        """The input of kind ``draw`` under its contract name (:data:`INPUT_NAMES`)."""
+        return cls(INPUT_NAMES[draw], tuple(shape), dtype, draw, **grid)
 
     @property
     def default(self) -> str | None:
@@ -89,6 +111,13 @@ class ToMeInputSpec:
         return cls(name=data["name"], shape=tuple(data["shape"]), dtype=_DTYPES[data["dtype"]],
                    draw=data["draw"], cells=tuple((int(a), int(b)) for a, b in data.get("cells", ())),
                    choices=int(data.get("choices", 0)))
+
+
+def partition_spec(cells: tuple[tuple[int, int], ...], choices: int) -> ToMeInputSpec:
+    """The ``tome_partition`` input: for each block that makes a plan, its ``rows x cols`` cells
+    (one destination each, ``choices`` tokens to pick it from), concatenated in block order."""
+    return ToMeInputSpec.of("partition", (sum(a * b for a, b in cells),), torch.int64, cells=cells,
+                            choices=choices)
 
 
 def draw_tome_inputs(specs: Sequence[ToMeInputSpec], sampler: PartitionSampler,
