@@ -212,7 +212,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _check_sizes(args: argparse.Namespace) -> None:
-    from tome_compile.export.onnx_export import check_opset
+    from tome_compile.export.convert import check_opset
 
     for name in ("height", "width"):
         value = getattr(args, name)
@@ -352,8 +352,8 @@ def _print_report(args: argparse.Namespace, result: Any, replaced: list[Path]) -
 def _destination(args: argparse.Namespace) -> tuple[Path, list[Path]]:
     """OUT, or DIR/unet/model.onnx with ``--into`` (plus the old model's weight files, removed
     once the new one is in place)."""
-    from tome_compile.export.onnx_export import check_output_path
     from tome_compile.export.optimum import check_optimum_folder, external_data_files
+    from tome_compile.export.output_files import check_output_path
 
     if args.into:
         if args.out:

@@ -47,7 +47,7 @@ class ExportMetadata:
     unet_config: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"
     multiview: dict[str, Any] | None = None
-    # graph fixes after conversion (onnx_export._postprocess)
+    # graph fixes after conversion (convert.postprocess)
     fp32_scatters: int = 0
     int32_scatter_indices: int = 0
     optional_inputs: list[str] = field(default_factory=list)

@@ -16,16 +16,11 @@ stored in the model's ``metadata_props["tome_compile"]``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
-import functools
 import gc
-import io
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -35,19 +30,27 @@ from typing import Any
 import numpy as np
 import torch
 from tome_compile.export import parity
+from tome_compile.export.convert import check_opset, convert_to_onnx, postprocess
 from tome_compile.export.inventory import InventoryReport, check_op_inventory
 from tome_compile.export.metadata import METADATA_KEY, ExportMetadata
 from tome_compile.export.ort_optimizer import optimize_for_ort
+from tome_compile.export.output_files import check_output_path, sweep_stale_partials, temp_folder, write_error
 from tome_compile.export.parity import default_providers
+from tome_compile.export.tracing import (
+    assert_no_scatter_mean,
+    attention_count,
+    drop_dead_code,
+    drop_noop_squeezes,
+    promote_mixed_concats,
+    trace_unet,
+)
 from tome_compile.passes import ToMeResult, find_unet_io, merge_self_attention
 from tome_compile.passes.follow_up import either_plans, fallback_plans, hash_random, head_merges
-from tome_compile.passes.merge_self_attention import nothing_rewritten
-from tome_compile.passes.sites import node_shape as _sites_node_shape
+from tome_compile.passes.report import nothing_rewritten
 from torch import fx
 
 from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeExportError
-from tome_compile.inputs import ToMeInputSpec
 from tome_compile.models import example_inputs, is_dit, unet_input_names, video_layout
 
 __all__ = [
@@ -87,202 +90,6 @@ class ExportResult:
     fusions: dict[str, int] = field(default_factory=dict)
 
 
-def check_output_path(out: str | Path, force: bool) -> Path:
-    """Validate the destination before any work: suffix, folder, overwrite policy."""
-    out = Path(out)
-    if out.suffix != ".onnx":
-        raise ToMeExportError(f"output {str(out)!r} must end in .onnx")
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise ToMeExportError(f"output folder {str(parent)!r} does not exist; create it first")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ToMeExportError(f"output folder {str(parent)!r} is not writable")
-    for existing in (out, out.with_name(out.name + ".data")):
-        if existing.exists() and not force:
-            raise ToMeExportError(f"{str(existing)!r} exists; pass --force (force=True) to overwrite it")
-    return out
-
-
-def _partial_prefix(out: Path) -> str:
-    return f".{out.name}.partial-"
-
-
-def sweep_stale_partials(out: Path) -> list[Path]:
-    """Remove temp folders of earlier exports to ``out`` whose process is gone (killed for memory,
-    SIGKILL): ``.OUT.partial-PID-*``. Folders of a live export are left alone. Returns the removed."""
-    parent = out.parent if str(out.parent) else Path(".")
-    removed = []
-    for folder in parent.glob(_partial_prefix(out) + "*"):
-        pid_text = folder.name[len(_partial_prefix(out)):].split("-", 1)[0]
-        if pid_text.isdigit() and _alive(int(pid_text)):
-            continue
-        shutil.rmtree(folder, ignore_errors=True)
-        removed.append(folder)
-        logger.info("removed %s, left by an export that did not finish", folder)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _write_error(error: BaseException, folder: Path) -> ToMeExportError:
-    """One line for a failed write: the disk-full case named as such."""
-    cause: BaseException | None = error
-    while cause is not None and not isinstance(cause, OSError):
-        cause = cause.__cause__ or cause.__context__
-    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
-        return ToMeExportError(f"no space left in {str(folder)!r}: free some space there or write the "
-                               "export elsewhere (an fp32 SD 1.5 U-Net takes 3.4 GB)")
-    what = (cause.strerror if isinstance(cause, OSError) and cause.strerror
-            else f"{type(error).__name__}: {error}")
-    return ToMeExportError(f"cannot write to {str(folder)!r}: {str(what).splitlines()[0][:200]}")
-
-
-def _plain_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
-    """``ep.module()`` without its pytree calling convention or input-spec hooks."""
-    unlifted = ep.module()
-    graph = unlifted.graph
-    graph._codegen = fx.graph.CodeGen()
-    for node in list(graph.nodes):  # constant arguments (return_dict=False) are placeholders too
-        value = node.meta.get("val")
-        if node.op == "placeholder" and not isinstance(value, torch.Tensor):
-            def constant(a: fx.Node, node: fx.Node = node, value: Any = value) -> Any:
-                return value if a is node else a
-
-            for user in list(node.users):
-                user.args = fx.node.map_arg(user.args, constant)
-                user.kwargs = fx.node.map_arg(user.kwargs, constant)
-            graph.erase_node(node)
-    return fx.GraphModule(unlifted, graph).eval()
-
-
-def _drop_noop_squeezes(gm: fx.GraphModule) -> int:
-    """``x.squeeze(d)`` of a dimension that is not 1 is a no-op in torch, but the exporter writes an
-    ONNX ``Squeeze`` that fails shape inference (PixArt's ``proj_out(...).squeeze(1)`` on
-    ``[B, N, C]``). Such nodes are replaced by their input. Returns how many."""
-    dropped = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in (
-            torch.ops.aten.squeeze.dim,
-            torch.ops.aten.squeeze.dims,
-        ):
-            continue
-        shape = _sites_node_shape(node.args[0])
-        dims = node.args[1] if len(node.args) > 1 else None
-        dims = [dims] if isinstance(dims, int) else list(dims or [])
-        if shape is None or not dims or any(not isinstance(shape[d], int) or shape[d] == 1 for d in dims):
-            continue
-        node.replace_all_uses_with(node.args[0])
-        gm.graph.erase_node(node)
-        dropped += 1
-    if dropped:
-        gm.recompile()
-    return dropped
-
-
-def _promote_mixed_concats(gm: fx.GraphModule) -> int:
-    """``torch.cat`` promotes mixed dtypes (SDXL in fp16: ``cat([text_embeds (fp16), time_embeds
-    (fp32, the sinusoidal projection)])``) but the exporter writes an ONNX ``Concat`` of the mixed
-    inputs, which ``onnx.checker`` refuses ("inputs has inconsistent type"). Each input of another
-    dtype gets a cast to the promoted one, as torch computes it. Returns how many casts."""
-    casts = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in (
-            torch.ops.aten.cat.default,
-            torch.ops.aten.concat.default,
-        ):
-            continue
-        values = [t.meta.get("val") if isinstance(t, fx.Node) else None for t in node.args[0]]
-        dtypes = {v.dtype for v in values if isinstance(v, torch.Tensor)}
-        if len(dtypes) < 2 or len(values) != len(node.args[0]):
-            continue
-        promoted = functools.reduce(torch.promote_types, dtypes)
-        inputs = []
-        for tensor, value in zip(node.args[0], values, strict=True):
-            if isinstance(value, torch.Tensor) and value.dtype != promoted:
-                with gm.graph.inserting_before(node):
-                    cast = gm.graph.call_function(
-                        torch.ops.aten._to_copy.default, (tensor,), {"dtype": promoted}
-                    )
-                cast.meta = {**tensor.meta, "val": value.to(promoted)}
-                tensor, casts = cast, casts + 1
-            inputs.append(tensor)
-        node.args = (inputs, *node.args[1:])
-    if casts:
-        gm.recompile()
-    return casts
-
-
-def _assert_no_scatter_mean(gm: fx.GraphModule) -> None:
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and "scatter_reduce" in str(node.target) and "mean" in map(
-                str, list(node.args) + list(node.kwargs.values())):
-            raise ToMeExportError(
-                f"{node.name}: scatter_reduce(mean) cannot be exported (ONNX ScatterElements has no "
-                "mean; the torch exporter silently writes an overwrite); use scatter_add + counts")
-
-
-SUPPORTED_OPSETS = range(18, 24)  # what torch 2.13's dynamo exporter writes (its ops start at 18)
-
-
-def check_opset(opset: int) -> int:
-    """The opset, or a one-line error for one the exporter would not honour (it silently writes
-    18 for anything lower)."""
-    if opset not in SUPPORTED_OPSETS:
-        raise ToMeExportError(f"opset {opset} is not supported: the torch exporter writes opsets "
-                              f"{SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1} (default 20; 23 has "
-                              "no CUDA EP group norm)")
-    return opset
-
-
-def _sdpa_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes
-            if n.op == "call_function" and n.target is torch.ops.aten.scaled_dot_product_attention.default]
-
-
-def _drop_dead_code(gm: fx.GraphModule) -> int:
-    """Remove what no output reads (the multi-view wrapper's write pass after its last stored
-    reference: the exporter would drop it too) and the metadata asserts and inference dropouts that
-    would keep it alive.
-    Returns how many attention calls went."""
-    before = len(_sdpa_nodes(gm))
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
-            gm.graph.erase_node(node)
-
-    def impure(node: fx.Node) -> bool:  # "seeded" ops that draw nothing here: inference dropout, attention
-        if node.target is torch.ops.aten.dropout.default and len(node.args) > 2 and node.args[2] is False:
-            return False
-        if node.target is torch.ops.aten.scaled_dot_product_attention.default \
-                and (node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)) == 0.0:
-            return False
-        return node.is_impure()
-
-    gm.graph.eliminate_dead_code(is_impure_node=impure)
-    gm.recompile()
-    return before - len(_sdpa_nodes(gm))
-
-
-def _attention_count(unet: torch.nn.Module, gm: fx.GraphModule, passes: int, dead: int = 0) -> int:
-    """The attention layers (diffusers ``Attention`` modules, once per U-Net pass, less ``dead``
-    ones nothing reads) that must each become one fused node: all but those with a mask (PixArt's
-    text mask on cross-attention keeps the plain ONNX translation: MultiHeadAttention's bias cannot
-    broadcast over the queries)."""
-    from diffusers.models.attention_processor import Attention
-
-    masked = sum(1 for n in _sdpa_nodes(gm) if len(n.args) > 3 and n.args[3] is not None
-                 or n.kwargs.get("attn_mask") is not None)
-    # ``passes``: the multi-view wrapper runs its U-Net twice
-    return sum(isinstance(m, Attention) for m in unet.modules()) * passes - dead - masked
-
-
 def _dynamic_shapes(run: _Run) -> tuple[Any, ...] | None:
     """The batch axis of each graph input: the U-Net's per-image inputs, and the ToMe inputs whose
     spec has one (plan_every's fed-back plans)."""
@@ -293,127 +100,6 @@ def _dynamic_shapes(run: _Run) -> tuple[Any, ...] | None:
     axes = {name: 0 for name in run.names if name in parity.PER_IMAGE_INPUTS}
     axes.update({spec.name: spec.batch_axis for spec in run.result.inputs if spec.batch_axis is not None})
     return tuple({axes[name]: batch} if name in axes else None for name in run.input_names)
-
-
-def _trace(unet: torch.nn.Module, args: tuple[torch.Tensor, ...], sdxl: bool, inputs: Any,
-           dynamic: bool) -> fx.GraphModule:
-    """``torch.export`` of the U-Net itself (not a wrapper), so site paths read as in diffusers;
-    SDXL's added_cond_kwargs flatten to the text_embeds, time_ids inputs."""
-    kwargs: dict[str, Any] = {"return_dict": False}
-    if sdxl:
-        kwargs["added_cond_kwargs"] = {"text_embeds": inputs.text_embeds, "time_ids": inputs.time_ids}
-    if inputs.added_time_ids is not None:  # SVD
-        kwargs["added_time_ids"] = inputs.added_time_ids
-    if inputs.cond_lat is not None:  # the multi-view wrapper (MultiViewExport): five positional inputs
-        shapes = None
-        if dynamic:
-            batch = torch.export.Dim.DYNAMIC
-            shapes = ({0: batch}, None, {0: batch}, {0: batch}, {0: batch})
-        with torch.no_grad():
-            ep = torch.export.export(unet, args, dynamic_shapes=shapes)
-        return _plain_graph_module(ep)
-    if inputs.dit:  # PixArt: every input by name, in the order of the graph's inputs
-        kwargs = {**{k: v for k, v in inputs.kwargs().items() if k != "hidden_states"}, **kwargs}
-        with torch.no_grad():
-            ep = torch.export.export(unet, (inputs.sample,), kwargs)
-        return _plain_graph_module(ep)
-    shapes = None
-    if dynamic:
-        batch = torch.export.Dim.DYNAMIC
-        shapes = {"sample": {0: batch}, "timestep": None, "encoder_hidden_states": {0: batch},
-                  "return_dict": None}
-        if sdxl:
-            shapes["added_cond_kwargs"] = {"text_embeds": {0: batch}, "time_ids": {0: batch}}
-    with torch.no_grad():
-        ep = torch.export.export(unet, args[:3], kwargs, dynamic_shapes=shapes)
-    return _plain_graph_module(ep)
-
-
-def _convert(gm: fx.GraphModule, example: tuple[torch.Tensor, ...], input_names: list[str], opset: int,
-             dynamic_shapes: tuple[Any, ...] | None, portable: bool, output_names: list[str]) -> Any:
-    from tome_compile.export.attention import attention_translation_table
-
-    # The exporter tries several capture strategies; a failed one (importance's torch.cond under
-    # its first, symbolic-size strategy) prints the whole partial graph to stderr before the next
-    # one succeeds. That text is kept out of the user's terminal (logged at DEBUG).
-    chatter = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(chatter):
-            program = torch.onnx.export(
-                gm, example, dynamo=True, opset_version=opset, input_names=input_names,
-                output_names=output_names, dynamic_shapes=dynamic_shapes, external_data=True, verbose=False,
-                custom_translation_table=None if portable else attention_translation_table())
-    except Exception as e:
-        logger.debug("exporter output:\n%s", chatter.getvalue())
-        cause = e
-        while cause.__cause__ is not None:
-            cause = cause.__cause__
-        raise ToMeExportError(f"ONNX conversion failed: {type(cause).__name__}: "
-                              f"{str(cause).splitlines()[0][:300]}") from e
-    _forget_rewriter_matches()
-    written = program.model.opset_imports.get("", None)
-    if written != opset:
-        raise ToMeExportError(f"the exporter wrote opset {written}, not the requested {opset}")
-    return program
-
-
-def _forget_rewriter_matches() -> None:
-    """Clear what onnxscript's rewrite rules remember of the graph just exported.
-
-    The exporter's optimizer runs onnxscript's module-level rewrite rules, whose pattern matchers
-    keep their last match — a node of the exported graph, through it the whole graph, and so every
-    initializer: the U-Net's weights (and the constant folder's numpy views of them) — until the
-    next export. With ``release_weights`` that kept 86% of SDXL's weights (every attention
-    ``Linear``) resident under the parity session. A matcher's state is rebuilt at the start of
-    each match, so clearing it changes nothing for later exports. Best effort: an onnxscript
-    without these attributes is left as it is (``test_no_rand_export_equals_tomesd_at_any_batch`` notices)."""
-    try:
-        from onnxscript.rewriter._matcher import PatternMatcher
-    except ImportError:
-        return
-    # ``type`` and not ``isinstance``: a dead ``weakref.proxy`` among the objects raises on the latter.
-    for matcher in [o for o in gc.get_objects() if issubclass(type(o), PatternMatcher)]:
-        init = getattr(matcher, "_init_match", None)
-        if callable(init):
-            init(0)
-        for name in ("_graph", "_tracer", "_current_node"):
-            if name in vars(matcher):
-                setattr(matcher, name, None)
-
-
-def _default_value(spec: ToMeInputSpec, dynamic: bool) -> np.ndarray:
-    shape = tuple(0 if dynamic and spec.default == "empty" and axis == spec.batch_axis else size
-                  for axis, size in enumerate(spec.shape))
-    return np.zeros(shape, dtype=spec.zeros().numpy().dtype)
-
-
-def _postprocess(program: Any, result: ToMeResult, fp16: bool, attentions: int, portable: bool,
-                 dynamic: bool) -> dict[str, Any]:
-    """fp16 scatter in float32, optional ToMe inputs, and the fused-attention count check."""
-    from tome_compile.export.attention import CONTRIB_DOMAIN
-    from tome_compile.export.onnx_graph import (
-        count_ops,
-        keep_scatter_fp32,
-        narrow_scatter_indices,
-        set_input_defaults,
-    )
-
-    model = program.model
-    wrapped = keep_scatter_fp32(model) if fp16 else 0
-    narrowed = narrow_scatter_indices(model)
-    # each ToMe input's default (ToMeInputSpec.default): seed 0, no map yet (the fallback branch
-    # runs), no plans yet (a dynamic export: no rows along the batch axis; a static one keeps the
-    # declared size — ORT refuses a default of another shape)
-    defaults = {spec.name: _default_value(spec, dynamic)
-                for spec in result.inputs if spec.default is not None}
-    optional = set_input_defaults(model, defaults)
-    fused = count_ops(model, "MultiHeadAttention", CONTRIB_DOMAIN)
-    if not portable and fused != attentions:
-        raise ToMeExportError(f"{fused} of the U-Net's {attentions} attentions became MultiHeadAttention "
-                              "(a processor without scaled_dot_product_attention?); pass --portable "
-                              "to export plain ONNX attention")
-    return {"fp32_scatters": wrapped, "int32_scatter_indices": narrowed, "optional_inputs": optional,
-            "fused_attention": fused}
 
 
 @dataclass(frozen=True)
@@ -542,7 +228,7 @@ def export_onnx(unet: torch.nn.Module, out: str | Path, config: ToMeConfig,
     names = options.stages()
     for name in names[:2]:  # trace, rewrite: nothing on disk yet
         stage(name)
-    run.tmp = _temp_folder(run.out)
+    run.tmp = temp_folder(run.out)
     try:
         for name in names[2:]:
             stage(name)
@@ -584,10 +270,10 @@ def _prepare(unet: torch.nn.Module, out: Path, config: ToMeConfig, o: ExportOpti
 
 
 def _stage_trace(run: _Run) -> None:
-    run.gm = _trace(run.unet, run.args, run.sdxl, run.inputs, run.dynamic)
-    _drop_noop_squeezes(run.gm)
-    _promote_mixed_concats(run.gm)
-    run.dead_attentions = _drop_dead_code(run.gm)
+    run.gm = trace_unet(run.unet, run.args, run.sdxl, run.inputs, run.dynamic)
+    drop_noop_squeezes(run.gm)
+    promote_mixed_concats(run.gm)
+    run.dead_attentions = drop_dead_code(run.gm)
     # found once: the pass reads the passes and the timestep; the metadata the noise output's
     # channel axis and noise channels (the importance map reads them)
     run.io = find_unet_io(run.gm)
@@ -608,35 +294,26 @@ def _stage_rewrite(run: _Run) -> None:
     result = head_merges(gm, result)
     if not o.oracle and (why := nothing_rewritten(result, run.config)) is not None:
         raise ToMeExportError(f"{why} — nothing to export with ToMe (--ratio 0 exports the plain U-Net)")
-    _assert_no_scatter_mean(gm)
+    assert_no_scatter_mean(gm)
     run.result = result
     run.extra = parity.example_tome_inputs(result, o.seed)
     run.input_names = run.names + result.input_names
 
 
-def _temp_folder(out: Path) -> Path:
-    parent = out.parent if str(out.parent) else Path(".")
-    sweep_stale_partials(out)
-    try:  # the pid in the name tells a later export whether this folder's writer is still alive
-        return Path(tempfile.mkdtemp(prefix=f"{_partial_prefix(out)}{os.getpid()}-", dir=parent))
-    except OSError as e:
-        raise _write_error(e, parent) from e
-
-
 def _stage_convert(run: _Run) -> None:
     o, result, gm = run.options, run.result, run.gm
     assert result is not None and gm is not None and run.tmp is not None
-    attentions = _attention_count(run.unet, gm, len(run.io.passes), run.dead_attentions)
-    program = _convert(gm, run.args + tuple(run.extra), run.input_names, o.opset,
+    attentions = attention_count(run.unet, gm, len(run.io.passes), run.dead_attentions)
+    program = convert_to_onnx(gm, run.args + tuple(run.extra), run.input_names, o.opset,
                        _dynamic_shapes(run), o.portable,
                        [OUTPUT_NAME] + [spec.name for spec in result.outputs])
-    run.post = _postprocess(program, result, o.fp16, attentions, o.portable, run.dynamic)
+    run.post = postprocess(program, result, o.fp16, attentions, o.portable, run.dynamic)
     replace(_metadata(run), **run.post).write(program.model)
     run.model = run.tmp / run.out.name
     try:
         program.save(str(run.model), external_data=True)
     except Exception as e:
-        raise _write_error(e, run.out.parent) from e
+        raise write_error(e, run.out.parent) from e
     del program  # the in-memory ONNX model: the checks below load the file (SD 1.5: 3.4 GB each)
     gc.collect()
 

@@ -12,9 +12,10 @@ from tome_compile.passes import sites as _sites
 from torch import fx
 
 from tome_compile import merge as _merge
-from tome_compile.config import ToMeConfig
+from tome_compile.config import ToMeConfig, format_blocks
 
-__all__ = ["BlockPlan", "Skip", "Target", "decide_site"]
+__all__ = ["STORED_REFERENCE", "BlockPlan", "Skip", "Target", "decide_all", "decide_site",
+           "select_blocks"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class Skip:
     reason: str
     grid: tuple[int, int] | None = None
     downsample: int | None = None
+    cause: str = ""  # what the reason says, as data: "blocks", "downsample", "stored-reference", ...
+    block: int | None = None  # "blocks": the block's index among the spatial self-attention blocks
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ def _block_size(site: _sites.AttentionSite, config: ToMeConfig,
     if downsample > config.max_downsample:
         threshold = (latent[0] * latent[1]) // (config.max_downsample ** 2)
         return Skip(f"downsample {downsample} > max_downsample={config.max_downsample} "
-                    f"({n} tokens < {threshold})", (h, w), downsample)
+                    f"({n} tokens < {threshold})", (h, w), downsample, cause="downsample")
     if _merge.partition_cells(h, w, config.sx, config.sy) == 0:
         return Skip(f"the {h}x{w} token grid is narrower than the sx={config.sx} x sy={config.sy} "
                     "destination stride: no destination cell, left unmerged", (h, w), downsample)
@@ -152,3 +155,51 @@ def decide_site(
         return Skip("merge_attn, merge_crossattn and merge_mlp are all off", (h, w), downsample)
     return BlockPlan(site=site, metric=metric, tokens=n, merged=r, grid=(h, w), downsample=downsample,
                      targets=tuple(targets))
+
+
+# The skip reason of a self-attention whose input the graph hands out (kept for a later call)
+STORED_REFERENCE = "reference write pass: its input is stored for a later call"
+
+
+def decide_all(gm: fx.GraphModule, found: list[_sites.AttentionSite], passes: list[_sites.UNetPass],
+                config: ToMeConfig, latent_hw: tuple[int, int] | None) -> list[BlockPlan | Skip]:
+    """Each site's decision against its own U-Net pass (a DiT's patch grid, a U-Net's latent). A
+    self-attention whose input is another site's reference (Zero123++'s write pass over the
+    condition latent) is left unmerged: its input is the reference the read pass attends to."""
+    readers = {s.reference: s for s in found if s.reference is not None}
+    out: list[BlockPlan | Skip] = []
+    for site in found:
+        unet_pass = passes[min(site.unet_pass, len(passes) - 1)]
+        reader = readers.get(site.input)
+        if reader is not None and site.kind == "self-attention":
+            out.append(Skip(f"reference pass: its input is the reference {reader.path} (pass "
+                            f"{reader.unet_pass}) attends to; left unmerged", cause="reference-pass"))
+            continue
+        if site.kind == "self-attention" and any(user.op == "output" for user in site.input.users):
+            out.append(Skip(STORED_REFERENCE + " (a graph output: a reference-only write pass, e.g. "
+                            "Zero123++'s inner U-Net compiled alone); left unmerged",
+                            cause="stored-reference"))
+            continue
+        grid = unet_pass.grid or latent_hw or unet_pass.latent
+        out.append(decide_site(site, found, gm.graph, config, grid, unet_pass.rows))
+    return out
+
+
+def select_blocks(decisions: list[BlockPlan | Skip], found: list[_sites.AttentionSite], config: ToMeConfig,
+                   passes: list[_sites.UNetPass]) -> list[BlockPlan | Skip]:
+    """``config.blocks``: keep the plans of the listed blocks (index k = the k-th spatial
+    self-attention block in execution order; PixArt's ``transformer_blocks.k``)."""
+    if config.blocks is None:
+        return decisions
+    out: list[BlockPlan | Skip] = []
+    k = 0
+    for site, decision in zip(found, decisions, strict=True):
+        rows = passes[min(site.unet_pass, len(passes) - 1)].rows
+        spatial = site.kind == "self-attention" and _sites.temporal_reason(site, rows) is None
+        if spatial and isinstance(decision, BlockPlan) and k not in config.blocks:
+            shown = format_blocks(config.blocks)
+            decision = Skip(f"block {k} is not in blocks={shown}", decision.grid, decision.downsample,
+                            cause="blocks", block=k)
+        out.append(decision)
+        k += spatial
+    return out

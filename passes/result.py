@@ -34,6 +34,8 @@ class ToMeSite:
     rewritten: bool
     reason: str
     targets: tuple[str, ...] = ()
+    cause: str = ""  # a skipped site's reason as data (decide.Skip.cause): "blocks", "downsample", ...
+    block: int | None = None  # cause "blocks": the block's index among the spatial self-attention blocks
 
     def line(self) -> str:
         tokens = "?" if self.tokens is None else str(self.tokens)

@@ -26,7 +26,7 @@ from tome_compile.errors import ToMeConfigError
 from tome_compile.guidance import GuidanceLayout, resolve_guidance
 from tome_compile.passes import ToMeResult, UNetIO, find_unet_io, merge_self_attention
 from tome_compile.passes.follow_up import keep_plans, reuse_plans
-from tome_compile.passes.merge_self_attention import STORED_REFERENCE, nothing_rewritten
+from tome_compile.passes.report import nothing_rewritten
 from tome_compile.state import CallDriver, CallState
 
 __all__ = ["ToMeBackend", "ToMeWarning", "tome", "tome_backend"]
@@ -219,7 +219,7 @@ class ToMeBackend:
         self.reports.append(result)
         logger.info("%s", result.summary())
         warn_if_nothing_rewritten(result, self.config)
-        if any(site.reason.startswith(STORED_REFERENCE) for site in result.sites):
+        if any(site.cause == "stored-reference" for site in result.sites):
             self.say_once("ToMe: this graph stores attention inputs for a later call (a reference-only write "
                           "pass: Zero123++'s inner U-Net compiled alone?); those sites are left unmerged, as "
                           "in the wrapper compiled whole (compile pipe.unet, not pipe.unet.unet)")

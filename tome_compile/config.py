@@ -11,7 +11,7 @@ from typing import Any, Literal
 from tome_compile.errors import ToMeConfigError
 from tome_compile.guidance import GUIDANCE
 
-__all__ = ["METHODS", "ToMeConfig", "parse_blocks"]
+__all__ = ["METHODS", "ToMeConfig", "format_blocks", "parse_blocks"]
 
 METHODS = ("tome", "importance")
 _MAX_DOWNSAMPLE = (1, 2, 4, 8)
@@ -201,3 +201,14 @@ def parse_blocks(text: str) -> tuple[int, ...]:
     if not out or min(out) < 0:
         raise ToMeConfigError(f"blocks {text!r}: give indices >= 0 and ranges like 7-20 or 0,2,5-9")
     return tuple(out)
+
+
+def format_blocks(values: tuple[int, ...]) -> str:
+    """The inverse of :func:`parse_blocks`: (7, 8, ..., 20) -> "7-20"; (1, 3, 4) -> "1,3-4"."""
+    parts: list[tuple[int, int]] = []
+    for v in sorted(set(values)):
+        if parts and parts[-1][1] == v - 1:
+            parts[-1] = (parts[-1][0], v)
+        else:
+            parts.append((v, v))
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in parts)
