@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
-from tome_compile.config import ToMeConfig, parse_blocks
+from tome_compile.arguments import dataclass_from_args
+from tome_compile.config import METHODS, ToMeConfig, parse_blocks
 from tome_compile.errors import ToMeError
+from tome_compile.guidance import GUIDANCE
 
 __all__ = ["main"]
 
@@ -83,8 +85,8 @@ def _tome_arguments(p: argparse._ArgumentGroup) -> None:
                    help="plan on every K-th call and reuse the plans in between (default 1: every call); "
                         "adds the tome_plan_slots/_weights and tome_reuse_plan inputs and two outputs, "
                         "which ToMeSession feeds back")
-    p.add_argument("--method", default="tome", choices=["tome", "importance"])
-    p.add_argument("--guidance", default="auto", choices=["auto", "cfg", "pix2pix", "pag", "none"],
+    p.add_argument("--method", default="tome", choices=METHODS)
+    p.add_argument("--guidance", default="auto", choices=tuple(GUIDANCE),
                    help="importance: which rows of the batch are one image's: cfg [uncond; cond], pix2pix "
                         "[text; image; uncond], pag [uncond; cond; perturbed] (default auto: cfg for an "
                         "even batch, none for an odd one)")
@@ -228,11 +230,9 @@ def _check_sizes(args: argparse.Namespace) -> None:
 
 
 def _config(args: argparse.Namespace) -> ToMeConfig:
-    return ToMeConfig(ratio=args.ratio, max_downsample=args.max_downsample, sx=args.sx, sy=args.sy,
-                      use_rand=not args.no_rand, merge_crossattn=args.merge_crossattn,
-                      merge_mlp=args.merge_mlp, method=args.method, seed=0, share_plan=args.share_plan,
-                      plan_every=args.plan_every, pool_factor=args.pool_factor, guidance=args.guidance,
-                      blocks=parse_blocks(args.blocks) if args.blocks is not None else None)
+    """The ToMe flags carry ToMeConfig's field names; only the inverted and parsed ones are named."""
+    return dataclass_from_args(ToMeConfig, args, use_rand=not args.no_rand, seed=0,
+                               blocks=parse_blocks(args.blocks) if args.blocks is not None else None)
 
 
 def _check_model(args: argparse.Namespace) -> bool:
@@ -267,23 +267,9 @@ def _check_model(args: argparse.Namespace) -> bool:
 def _options(args: argparse.Namespace) -> Any:
     from tome_compile.export.onnx_export import ExportOptions
 
-    return ExportOptions(
-        batch=args.batch,
-        height=args.height,
-        width=args.width,
-        seq_len=args.seq_len,
-        opset=args.opset,
-        fp16=args.fp16,
-        force=args.force or bool(args.into),
-        atol=args.atol,
-        require_cuda_kernels=not args.no_cuda_check,
-        portable=args.portable,
-        partition_input=args.partition_input,
-        dynamic_batch=not args.static_batch,
-        optimize=args.optimize,
-        frames=args.frames,
-        release_weights=True,
-    )
+    return dataclass_from_args(ExportOptions, args, force=args.force or bool(args.into),
+                               require_cuda_kernels=not args.no_cuda_check,
+                               dynamic_batch=not args.static_batch, release_weights=True)
 
 
 def _export(args: argparse.Namespace, out: Path, config: ToMeConfig, options: Any, multiview: bool) -> Any:

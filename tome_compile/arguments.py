@@ -7,8 +7,14 @@ before any model is built, never a traceback after minutes of work.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import types
+import typing
+from typing import Any, TypeVar
 
-__all__ = ["image_size", "positive_int"]
+__all__ = ["dataclass_from_args", "image_size", "parse_field", "positive_int"]
+
+T = TypeVar("T")
 
 
 def positive_int(text: str) -> int:
@@ -31,3 +37,36 @@ def image_size(text: str) -> int:
             f"use e.g. {max(8, value // 8 * 8)}"
         )
     return value
+
+
+def dataclass_from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
+    """``cls`` (a dataclass) from the parsed command line: every field the parser has a flag of the
+    same name for (``--seq-len`` -> ``seq_len``), then ``overrides`` (inverted flags, derived
+    values). A flag left at ``None`` keeps a field's non-None default. No field copied by hand."""
+    values = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name not in vars(args):
+            continue
+        value = getattr(args, f.name)
+        if value is None and f.default is not None and f.default is not dataclasses.MISSING:
+            continue
+        values[f.name] = value
+    return cls(**{**values, **overrides})
+
+
+def parse_field(cls: type, name: str, text: str) -> Any:
+    """``text`` (a string from ``serve run key=value`` or a config file) as field ``name`` of the
+    dataclass ``cls``, by its type hint (``int | None``, ``tuple[int, ...]``, ``float``, ``str``)."""
+    hint = typing.get_type_hints(cls)[name]
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is \
+        typing.Union else (hint,)
+    if text.lower() == "none" and type(None) in options:
+        return None
+    kind = next(o for o in options if o is not type(None))
+    if typing.get_origin(kind) is tuple:
+        return tuple(int(v) for v in text.split(",") if v)
+    if kind is bool:
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"{name}={text!r}: give true or false")
+        return text.lower() in ("true", "1")
+    return kind(text) if kind in (int, float) else text

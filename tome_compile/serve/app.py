@@ -235,22 +235,16 @@ def build(args: dict[str, Any]) -> Any:
     unknown = sorted(set(args) - set(spec_fields) - set(option_fields))
     if unknown:
         raise ValueError(f"unknown argument(s) {unknown}; use {sorted(spec_fields) + sorted(option_fields)}")
-    spec = ServeSpec(**{k: _typed(spec_fields[k], v) for k, v in args.items() if k in spec_fields})
-    options = AppOptions(**{k: _typed(option_fields[k], v) for k, v in args.items() if k in option_fields})
+    spec = ServeSpec(**{k: _typed(ServeSpec, k, v) for k, v in args.items() if k in spec_fields})
+    options = AppOptions(**{k: _typed(AppOptions, k, v) for k, v in args.items() if k in option_fields})
     return build_app(spec, options)
 
 
-def _typed(f: dataclasses.Field, value: Any) -> Any:
-    """A builder argument (``serve run`` passes strings) as the field's type."""
+def _typed(cls: type, name: str, value: Any) -> Any:
+    """A builder argument (``serve run`` passes strings, a config file JSON values) as the field's
+    type, read from its type hint (never from the annotation's text)."""
+    from tome_compile.arguments import parse_field
+
     if not isinstance(value, str):
         return tuple(value) if isinstance(value, list) else value
-    kind = f.type if isinstance(f.type, str) else str(f.type)
-    if "tuple" in kind:
-        return tuple(int(v) for v in value.split(",") if v)
-    if value.lower() == "none" and ("None" in kind or "Optional" in kind):
-        return None
-    if "float" in kind:
-        return float(value)
-    if "int" in kind:
-        return int(value)
-    return value
+    return parse_field(cls, name, value)

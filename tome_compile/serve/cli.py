@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 
+from tome_compile.arguments import dataclass_from_args
+from tome_compile.config import METHODS
 from tome_compile.errors import ToMeError
 
 __all__ = ["main"]
@@ -43,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ratio", type=float, default=0.5, help="merge ratio (requests may ask for it or 0 = plain)"
     )
-    p.add_argument("--method", default="tome", choices=["tome", "importance"])
+    p.add_argument("--method", default="tome", choices=METHODS)
     p.add_argument("--plan-every", type=int, default=1, metavar="K")
     p.add_argument(
         "--compiler", default="inductor", help="inner compiler of torch.compile: inductor or eager"
@@ -95,19 +97,10 @@ def options_from(args: argparse.Namespace) -> tuple[object, object]:
         sizes = tuple(int(v) for v in args.sizes.split(",")) if args.sizes else None
     except ValueError:
         raise ToMeError(f"--sizes {args.sizes!r}: give sizes like 32,64") from None
-    spec = ServeSpec(model=args.model, onnx=args.onnx, method=args.method, ratio=args.ratio,
-                     plan_every=args.plan_every, compiler=args.compiler, batch_size=args.max_batch_size,
-                     seed=args.seed, sizes=sizes)
-    options = AppOptions(
-        replicas=args.replicas,
-        min_replicas=args.min_replicas,
-        max_replicas=args.max_replicas,
-        batch_wait_ms=args.batch_wait_ms,
-        max_queued=args.max_queued,
-        request_timeout_s=args.request_timeout_s,
-        cpus_per_replica=args.num_cpus_per_replica,
-        gpus_per_replica=args.num_gpus_per_replica,
-    )
+    # the flags carry the fields' names; only the renamed ones are given
+    spec = dataclass_from_args(ServeSpec, args, batch_size=args.max_batch_size, sizes=sizes)
+    options = dataclass_from_args(AppOptions, args, cpus_per_replica=args.num_cpus_per_replica,
+                                  gpus_per_replica=args.num_gpus_per_replica)
     return spec, options
 
 
