@@ -35,6 +35,7 @@ class ExportMetadata:
     seq_len: int | None = None
     timestep: str = "float32[1]"
     latent_hw: list[int] = field(default_factory=list)
+    family: str = ""  # families.ModelFamily.name: what its inputs are (tome_compile.families)
     video_layout: str | None = None
     frames: int | None = None
     channel_axis: int = 1  # the noise output's channel axis (the importance map reads it)

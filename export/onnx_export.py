@@ -51,7 +51,8 @@ from torch import fx
 
 from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeExportError
-from tome_compile.models import example_inputs, is_dit, unet_input_names, video_layout
+from tome_compile.families import ModelFamily, family_of
+from tome_compile.models import example_inputs
 
 __all__ = [
     "METADATA_KEY",
@@ -97,7 +98,7 @@ def _dynamic_shapes(run: _Run) -> tuple[Any, ...] | None:
         return None
     assert run.result is not None
     batch = torch.export.Dim.DYNAMIC
-    axes = {name: 0 for name in run.names if name in parity.PER_IMAGE_INPUTS}
+    axes = {name: 0 for name in run.family.per_image}
     axes.update({spec.name: spec.batch_axis for spec in run.result.inputs if spec.batch_axis is not None})
     return tuple({axes[name]: batch} if name in axes else None for name in run.input_names)
 
@@ -174,12 +175,9 @@ class _Run:
     config: ToMeConfig
     options: ExportOptions
     inputs: Any  # models.ExampleInputs
-    names: list[str]
+    family: ModelFamily  # its inputs' names, batch axes, layout
     dynamic: bool
     traced: int
-    sdxl: bool
-    layout: str | None
-    dit: bool
     gm: fx.GraphModule | None = None
     io: Any = None  # passes.UNetIO
     dead_attentions: int = 0
@@ -249,12 +247,11 @@ def _prepare(unet: torch.nn.Module, out: Path, config: ToMeConfig, o: ExportOpti
     if next(unet.parameters()).dtype != dtype:
         unet = unet.to(dtype)
     unet = unet.eval()
-    layout = video_layout(unet)
-    if o.frames is not None and layout is None:
+    family = family_of(unet)
+    if o.frames is not None and family.video_layout is None:
         raise ToMeExportError(f"frames={o.frames} is for video U-Nets; {type(unet).__name__} takes images")
-    dit = is_dit(unet)
-    dynamic = (o.dynamic_batch and (config.method != "importance" or not config.enabled) and layout is None
-               and not dit)
+    importance = config.method == "importance" and config.enabled  # its map input is per CFG pair
+    dynamic = o.dynamic_batch and not importance and family.dynamic_batch
     # torch.export specialises a dynamic axis traced at size 1: trace a dynamic batch at >= 2
     # (the parity check still runs batch 1)
     traced = max(o.batch, 2) if dynamic else o.batch
@@ -262,15 +259,14 @@ def _prepare(unet: torch.nn.Module, out: Path, config: ToMeConfig, o: ExportOpti
                             seed=o.seed, dtype=dtype, frames=o.frames)
     # Optimum's and diffusers' ONNX pipelines send the timestep as float32 of shape [1]; PixArt's
     # blocks need one per image ([B], as PixArtAlphaPipeline sends it).
-    inputs.timestep = (inputs.timestep.to(torch.float32) if dit
+    inputs.timestep = (inputs.timestep.to(torch.float32) if family.dit
                        else torch.tensor([float(inputs.timestep)], dtype=torch.float32))
-    sdxl = getattr(unet.config, "addition_embed_type", None) == "text_time"
-    return _Run(unet=unet, out=out, config=config, options=o, inputs=inputs, names=unet_input_names(unet),
-                dynamic=dynamic, traced=traced, sdxl=sdxl, layout=layout, dit=dit)
+    return _Run(unet=unet, out=out, config=config, options=o, inputs=inputs, family=family, dynamic=dynamic,
+                traced=traced)
 
 
 def _stage_trace(run: _Run) -> None:
-    run.gm = trace_unet(run.unet, run.args, run.sdxl, run.inputs, run.dynamic)
+    run.gm = trace_unet(run.unet, run.args, run.family, run.inputs, run.dynamic)
     drop_noop_squeezes(run.gm)
     promote_mixed_concats(run.gm)
     run.dead_attentions = drop_dead_code(run.gm)
@@ -297,7 +293,7 @@ def _stage_rewrite(run: _Run) -> None:
     assert_no_scatter_mean(gm)
     run.result = result
     run.extra = parity.example_tome_inputs(result, o.seed)
-    run.input_names = run.names + result.input_names
+    run.input_names = run.family.names + result.input_names
 
 
 def _stage_convert(run: _Run) -> None:
@@ -323,7 +319,7 @@ def _metadata(run: _Run) -> ExportMetadata:
     o, result, io, config = run.options, run.result, run.io, run.config
     assert result is not None
     multiview = None
-    if run.inputs.cond_lat is not None:
+    if run.family.multiview:
         multiview = {"cond_lat": list(run.inputs.cond_lat.shape[1:]), "passes": len(io.passes),
                      "is_cfg_guidance": bool(getattr(run.unet, "is_cfg_guidance", False)),
                      "noise": "input (ToMeSession draws it with torch.randn_like when not given)"}
@@ -337,10 +333,12 @@ def _metadata(run: _Run) -> ExportMetadata:
         height=o.height,
         width=o.width,
         seq_len=o.seq_len,
-        timestep="float32[batch]" if run.dit else "float32[1]",
+        timestep=run.family.timestep,
         latent_hw=list(result.latent_hw or ()),
-        video_layout=run.layout,
-        frames=int(run.inputs.sample.shape[2 if run.layout == "BCFHW" else 1]) if run.layout else None,
+        family=run.family.name,
+        video_layout=run.family.video_layout,
+        frames=(int(run.inputs.sample.shape[2 if run.family.video_layout == "BCFHW" else 1])
+                if run.family.video_layout else None),
         channel_axis=io.channel_axis,
         noise_channels=io.noise_channels,
         method=result.method,
@@ -367,7 +365,7 @@ def _stage_inventory(run: _Run) -> None:
 
 def _stage_parity(run: _Run) -> None:
     assert run.result is not None and run.gm is not None and run.model is not None
-    run.checks = parity.parity_checks(run.result, run.gm, run.args, run.extra, run.names, run.options.seed,
+    run.checks = parity.parity_checks(run.result, run.gm, run.args, run.extra, run.family, run.options.seed,
                                       run.traced if run.dynamic else None)
     run.references = parity.references(run.gm, run.checks)  # before the session loads: release_weights
     if run.options.release_weights:

@@ -23,12 +23,12 @@ from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tome_compile.errors import ToMeExportError
+from tome_compile.families import ModelFamily
 from tome_compile.inputs import draw_tome_inputs
 from tome_compile.sampler import PartitionSampler
 
 __all__ = [
     "OUTPUT_NAME",
-    "PER_IMAGE_INPUTS",
     "Fp32Compute",
     "ParityCheck",
     "ParityReport",
@@ -43,9 +43,6 @@ __all__ = [
 ]
 
 OUTPUT_NAME = "out_sample"
-# The U-Net inputs with a batch axis (dynamic in the export); the timestep ([1]) has none, and a
-# ToMe input has the batch axis its spec names (ToMeInputSpec.batch_axis).
-PER_IMAGE_INPUTS = ("sample", "encoder_hidden_states", "text_embeds", "time_ids", "cond_lat", "noise")
 
 _aten = torch.ops.aten
 _PRODUCTS = frozenset({_aten.convolution.default, _aten.addmm.default, _aten.mm.default, _aten.bmm.default,
@@ -97,10 +94,12 @@ def example_tome_inputs(result: ToMeResult, seed: int, with_map: bool = True) ->
 
 
 def parity_checks(result: ToMeResult, gm: fx.GraphModule, args: tuple[torch.Tensor, ...],
-                  extra: list[torch.Tensor], names: list[str], seed: int, traced: int | None
+                  extra: list[torch.Tensor], family: ModelFamily, seed: int, traced: int | None
                   ) -> list[ParityCheck]:
     """The traced call; importance's fallback branch; plan_every's reusing branch (fed the plans
-    PyTorch made); with ``traced`` (a dynamic batch traced at that size) batch 1 from the same file."""
+    PyTorch made); with ``traced`` (a dynamic batch traced at that size) batch 1 from the same file:
+    one row of each of the family's per-image inputs (the timestep has no batch axis; a ToMe input
+    has the one its spec names, ``ToMeInputSpec.batch_axis``)."""
     made = None
     if result.outputs:  # the traced call's plans feed the reusing check; its output is the reference
         with torch.no_grad(), Fp32Compute():
@@ -113,7 +112,8 @@ def parity_checks(result: ToMeResult, gm: fx.GraphModule, args: tuple[torch.Tens
         fed = draw_tome_inputs(result.inputs, PartitionSampler(seed), None, "cpu", plans=(made[1], made[2]))
         checks.append(ParityCheck("reused plans", tuple(args), tuple(fed)))
     if traced is not None:
-        one = tuple(a[:1] if name in PER_IMAGE_INPUTS else a for name, a in zip(names, args, strict=True))
+        one = tuple(a[:1] if name in family.per_image else a
+                    for name, a in zip(family.names, args, strict=True))
         one_extra = tuple(_one_image(e, spec.batch_axis, traced)
                           for spec, e in zip(result.inputs, extra, strict=True))
         checks.append(ParityCheck("batch 1", one, one_extra))

@@ -24,6 +24,7 @@ from tome_compile.export.metadata import ExportMetadata
 from tome_compile.export.parity import default_providers
 
 from tome_compile.errors import ToMeExportError
+from tome_compile.families import needs
 from tome_compile.guidance import GUIDANCE, random_destinations
 from tome_compile.inputs import SEED_INPUT
 from tome_compile.state import CallDriver, CallState, check_seed
@@ -49,14 +50,6 @@ _NOT_EXPORTED = {
     "encoder_attention_mask": "encoder_attention_mask input",
     "added_time_ids": "added_time_ids input (SVD)",
 }
-# Required inputs, what to say when one is missing
-_NEEDS = {"encoder_hidden_states": "encoder_hidden_states [B, L, D] (the text embeddings)",
-          "text_embeds": "added_cond_kwargs['text_embeds'] (SDXL's pooled text embedding)",
-          "time_ids": "added_cond_kwargs['time_ids'] (SDXL's size and crop conditioning)",
-          "added_time_ids": "added_time_ids (SVD: fps, motion bucket, noise augmentation per video)",
-          "cond_lat": "cross_attention_kwargs={'cond_lat': ...} (multi-view: the condition view's latent)",
-          "resolution": "added_cond_kwargs['resolution'] (PixArt-α 1024)",
-          "aspect_ratio": "added_cond_kwargs['aspect_ratio'] (PixArt-α 1024)"}
 
 
 class _Output(SimpleNamespace):
@@ -298,7 +291,7 @@ class ToMeSession:
             given["encoder_attention_mask"] = np.ones(encoder_hidden_states.shape[:2], dtype=np.float32)
         for name in self._model_inputs:
             if name != "timestep" and given.get(name) is None and name in self._required:
-                raise ToMeExportError(f"this export needs {_NEEDS.get(name, name)}; it was not given")
+                raise ToMeExportError(f"this export needs {needs(name)}; it was not given")
         return {name: value for name, value in given.items() if value is not None}
 
     def _multiview_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from tome_compile.passes.sites import node_shape as _sites_node_shape
 from torch import fx
 
 from tome_compile.errors import ToMeExportError
+from tome_compile.families import ModelFamily
 
 __all__ = ["assert_no_scatter_mean", "attention_count", "drop_dead_code", "drop_noop_squeezes",
            "plain_graph_module", "promote_mixed_concats", "sdpa_nodes", "trace_unet"]
@@ -142,35 +143,33 @@ def attention_count(unet: torch.nn.Module, gm: fx.GraphModule, passes: int, dead
     return sum(isinstance(m, Attention) for m in unet.modules()) * passes - dead - masked
 
 
-def trace_unet(unet: torch.nn.Module, args: tuple[torch.Tensor, ...], sdxl: bool, inputs: Any,
-           dynamic: bool) -> fx.GraphModule:
+def trace_unet(unet: torch.nn.Module, args: tuple[torch.Tensor, ...], family: ModelFamily, inputs: Any,
+               dynamic: bool) -> fx.GraphModule:
     """``torch.export`` of the U-Net itself (not a wrapper), so site paths read as in diffusers;
-    SDXL's added_cond_kwargs flatten to the text_embeds, time_ids inputs."""
+    SDXL's added_cond_kwargs flatten to the text_embeds, time_ids inputs. ``dynamic``: the family's
+    per-image inputs get a dynamic batch axis."""
+    batch = torch.export.Dim.DYNAMIC
     kwargs: dict[str, Any] = {"return_dict": False}
-    if sdxl:
+    if family.sdxl:
         kwargs["added_cond_kwargs"] = {"text_embeds": inputs.text_embeds, "time_ids": inputs.time_ids}
     if inputs.added_time_ids is not None:  # SVD
         kwargs["added_time_ids"] = inputs.added_time_ids
-    if inputs.cond_lat is not None:  # the multi-view wrapper (MultiViewExport): five positional inputs
-        shapes = None
-        if dynamic:
-            batch = torch.export.Dim.DYNAMIC
-            shapes = ({0: batch}, None, {0: batch}, {0: batch}, {0: batch})
+    if family.multiview:  # the multi-view wrapper (MultiViewExport): its inputs positional
+        shapes = tuple({0: batch} if name in family.per_image else None for name in family.names)
         with torch.no_grad():
-            ep = torch.export.export(unet, args, dynamic_shapes=shapes)
+            ep = torch.export.export(unet, args, dynamic_shapes=shapes if dynamic else None)
         return plain_graph_module(ep)
-    if inputs.dit:  # PixArt: every input by name, in the order of the graph's inputs
+    if family.dit:  # PixArt: every input by name, in the order of the graph's inputs
         kwargs = {**{k: v for k, v in inputs.kwargs().items() if k != "hidden_states"}, **kwargs}
         with torch.no_grad():
             ep = torch.export.export(unet, (inputs.sample,), kwargs)
         return plain_graph_module(ep)
     shapes = None
     if dynamic:
-        batch = torch.export.Dim.DYNAMIC
-        shapes = {"sample": {0: batch}, "timestep": None, "encoder_hidden_states": {0: batch},
-                  "return_dict": None}
-        if sdxl:
-            shapes["added_cond_kwargs"] = {"text_embeds": {0: batch}, "time_ids": {0: batch}}
+        axis = {name: {0: batch} if name in family.per_image else None for name in family.names}
+        shapes = {**{name: axis[name] for name in family.names[:3]}, "return_dict": None}
+        if family.sdxl:
+            shapes["added_cond_kwargs"] = {"text_embeds": axis["text_embeds"], "time_ids": axis["time_ids"]}
     with torch.no_grad():
         ep = torch.export.export(unet, args[:3], kwargs, dynamic_shapes=shapes)
     return plain_graph_module(ep)

@@ -57,3 +57,31 @@ def test_folder_without_config(tmp_path):
 def test_unknown_architecture_name():
     with pytest.raises(ToMeModelError, match="built-in ones are"):
         architecture_config("sd3")
+
+
+def test_each_family_describes_its_inputs_once():
+    """#33: one record per model family (tome_compile.families), read by the example inputs, the
+    export's tracing / dynamic axes / metadata / batch-1 check and ToMeSession's refusals."""
+    from conftest import tiny_pixart, tiny_video_unet
+    from zero123_reference import tiny_zero123
+
+    from tome_compile.families import family_of, needs
+    from tome_compile.multiview import MultiViewExport
+
+    models = {"unet": tiny_unet("sd15"), "sdxl": tiny_unet("sdxl"), "pixart": tiny_pixart(),
+              "animatediff": tiny_video_unet("animatediff"), "svd": tiny_video_unet("svd"),
+              "multiview": MultiViewExport(tiny_zero123())}
+    for name, model in models.items():
+        family = family_of(model)
+        assert family.name == name
+        size = (48, 32) if family.multiview else (128, 128)  # multi-view: 3 x 2 views of 16 x 16
+        frames = 2 if family.video_layout else None
+        inputs = example_inputs(model, batch=2, height=size[0], width=size[1], seq_len=7, frames=frames)
+        assert len(inputs.args()) == len(family.names)  # one example value per input, in graph order
+    assert family_of(models["sdxl"]).names[3:] == ["text_embeds", "time_ids"]
+    assert family_of(models["multiview"]).per_image == ("sample", "encoder_hidden_states", "cond_lat",
+                                                        "noise")
+    assert not family_of(models["svd"]).dynamic_batch
+    assert family_of(models["pixart"]).timestep == "float32[batch]"
+    assert needs("time_ids") == "added_cond_kwargs['time_ids'] (SDXL's size and crop conditioning)"
+    assert needs("not_an_input") == "not_an_input"  # negative: an unknown name is said as it is

@@ -146,7 +146,7 @@ def test_demo_command(tmp_path, capsys):
     (["--model", "."], "no model.safetensors"),
     (["--out", "grid.txt"], "picture suffix"),
     (["--out", "/nonexistent/grid.png"], "does not exist"),
-    (["--steps", "0"], "--steps 0"),
+    (["--steps", "0"], "argument --steps: 0 is below 1"),
 ])
 def test_demo_bad_input(argv, words, capsys):
     from tome_compile.shapes.demo import main
@@ -210,7 +210,7 @@ def test_quality_benchmark_tables():
     (["--variants", "importance"], "include tome"),
     (["--variants", "tome", "tome-every0"], "plan_every=0"),
     (["--variants", "tome", "tome-often"], "unknown variant"),
-    (["--seeds", "0"], "--seeds 0"),
+    (["--seeds", "0"], "argument --seeds: 0 is below 1"),
     (["--out", "/nonexistent/q.json"], "does not exist"),
 ])
 def test_quality_bad_input(argv, words, capsys):

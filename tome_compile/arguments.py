@@ -12,7 +12,7 @@ import types
 import typing
 from typing import Any, TypeVar
 
-__all__ = ["dataclass_from_args", "image_size", "parse_field", "positive_int"]
+__all__ = ["dataclass_from_args", "image_size", "parse_command_line", "parse_field", "positive_int"]
 
 T = TypeVar("T")
 
@@ -70,3 +70,12 @@ def parse_field(cls: type, name: str, text: str) -> Any:
             raise ValueError(f"{name}={text!r}: give true or false")
         return text.lower() in ("true", "1")
     return kind(text) if kind in (int, float) else text
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace | int:
+    """``parser.parse_args(argv)``, or the exit code argparse chose (2 after its one-line error on
+    stderr, 0 after ``--help``): a ``main(argv) -> int`` returns it instead of raising SystemExit."""
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from tome_compile.arguments import image_size, positive_int
+from tome_compile.arguments import image_size, parse_command_line, positive_int
 from tome_compile.backend import ToMeBackend
 from tome_compile.config import ToMeConfig, parse_blocks
 from tome_compile.errors import ToMeError
@@ -420,7 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="bench.json", help="where to write the raw results")
     parser.add_argument("--no-blocks", action="store_true", help="skip the per-block overhead table")
     parser.add_argument("--blocks-only", action="store_true", help="only the per-block overhead table")
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
+    if isinstance(args, int):
+        return args
     try:
         _config(args)
         if any(s % 8 for s in args.sizes):

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tome_compile.errors import ToMeModelError
+from tome_compile.families import family_of
 
 __all__ = [
     "ARCHITECTURES",
@@ -194,25 +195,18 @@ class UNetInputs:
 
 def is_dit(unet: torch.nn.Module) -> bool:
     """A diffusion transformer (PixArt-α) rather than a U-Net."""
-    return type(unet).__name__ == "PixArtTransformer2DModel"
+    return family_of(unet).dit
 
 
 def video_layout(unet: torch.nn.Module) -> str | None:
     """How a video U-Net takes its sample: ``"BCFHW"`` (AnimateDiff's ``UNetMotionModel``),
     ``"BFCHW"`` (SVD's ``UNetSpatioTemporalConditionModel``); None for an image model."""
-    return {"UNetMotionModel": "BCFHW", "UNetSpatioTemporalConditionModel": "BFCHW"}.get(type(unet).__name__)
+    return family_of(unet).video_layout
 
 
 def unet_input_names(unet: torch.nn.Module) -> list[str]:
-    names = ["sample", "timestep", "encoder_hidden_states"]
-    if getattr(unet.config, "addition_embed_type", None) == "text_time":
-        names += ["text_embeds", "time_ids"]
-    if video_layout(unet) == "BFCHW":
-        names += ["added_time_ids"]
-    if is_dit(unet):
-        names += ["encoder_attention_mask"]
-        names += ["resolution", "aspect_ratio"] if getattr(unet, "use_additional_conditions", False) else []
-    return names + list(getattr(unet, "extra_inputs", ()))  # multi-view: cond_lat, noise
+    """The exported graph's model inputs, in order (its family's: :mod:`tome_compile.families`)."""
+    return family_of(unet).names
 
 
 def _spatial_scale(unet: torch.nn.Module) -> int:

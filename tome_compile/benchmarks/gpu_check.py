@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tome_compile.arguments import image_size, positive_int
+from tome_compile.arguments import image_size, parse_command_line, positive_int
 
 __all__ = ["main"]
 
@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=positive_int, default=10)
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "fp16"], choices=["fp32", "fp16"])
     parser.add_argument("--no-optimize", action="store_true", help="skip ORT's transformer optimizer (cuda)")
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
+    if isinstance(args, int):
+        return args
 
     import onnxruntime as ort
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from tome_compile.arguments import positive_int
+from tome_compile.arguments import parse_command_line, positive_int
 
 __all__ = ["main"]
 
@@ -242,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--arena", choices=("off", "on"), nargs="+", default=["off"],
                    help="ONNX Runtime's CPU arena (on: its default; off: memory follows live values)")
     c.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
+    if isinstance(args, int):
+        return args
     if args.command == "export":
         argv_ = args.args[1:] if args.args[:1] == ["--"] else args.args
         result = measure_export(argv_)

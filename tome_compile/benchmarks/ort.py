@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tome_compile.arguments import image_size, positive_int
+from tome_compile.arguments import image_size, parse_command_line, positive_int
 
 __all__ = ["main"]
 
@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one-session", action="store_true",
                         help="hold one session at a time (load, run, free, in each round): for sizes where "
                              "ONNX Runtime CPU materialises N x N attention (1024²: 8.6 GB per image)")
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
+    if isinstance(args, int):
+        return args
     if len(args.batches) == 1:
         args.batches = args.batches * len(args.sizes)
     if len(args.batches) != len(args.sizes):

@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from tome_compile.arguments import positive_int
+from tome_compile.arguments import parse_command_line, positive_int
 
 __all__ = ["drive", "main"]
 
@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpus-per-replica", type=float, default=None,
                         help="default: every CPU of the machine shared by the replicas")
     parser.add_argument("--json", default="serve_bench.json")
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
+    if isinstance(args, int):
+        return args
 
     import ray
     from ray import serve

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tome_compile.arguments import image_size, positive_int
+from tome_compile.arguments import image_size, parse_command_line, positive_int
 from tome_compile.errors import ToMeError
 from tome_compile.shapes.grid import labelled_grid
 from tome_compile.shapes.sample import DEFAULT_GUIDANCE, DEFAULT_STEPS, compile_unet, write_atomically
@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         "cold compiles on 2 cores, about 1 minute from inductor's cache)",
     )
     parser.add_argument("--out", default="tome_demo.png")
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
+    if isinstance(args, int):
+        return args
     try:
         return _run(args)
     except (ToMeError, ValueError) as e:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from tome_compile.arguments import positive_int
+from tome_compile.arguments import parse_command_line, positive_int
 from tome_compile.errors import ToMeError
 from tome_compile.shapes.sample import DEFAULT_GUIDANCE, DEFAULT_STEPS, write_atomically
 
@@ -162,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
                         default=DEFAULT_GUIDANCE, help="CFG scale")
     parser.add_argument("--compiler", default="inductor", help="inner compiler: inductor or eager")
     parser.add_argument("--out", default="bench/quality.json", help="JSON with every per-picture number")
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
+    if isinstance(args, int):
+        return args
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         from tome_compile import ToMeConfig

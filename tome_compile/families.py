@@ -1,0 +1,126 @@
+"""Model families and their inputs, described once: what each denoiser takes, under which name, along
+which axis it grows with the batch, and how a caller of the diffusers signature passes it.
+
+Everything that describes a family's inputs reads this table: the example inputs
+(:func:`tome_compile.models.example_inputs`), the export's tracing and its dynamic axes, its
+metadata, the parity check's batch-1 call, and ``ToMeSession``'s feeding and refusals. Adding an
+input to a family is one line here (and its example value in ``models.example_inputs``).
+
+    family = family_of(unet)            # ModelFamily("sdxl", ...)
+    family.names        # ["sample", "timestep", "encoder_hidden_states", "text_embeds", "time_ids"]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["FAMILIES", "ModelFamily", "ModelInput", "family_of", "needs"]
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """One input of a family's exported graph (named as Optimum names it).
+
+    ``per_image``: axis 0 holds one row per image of the batch (a dynamic batch axis, the rows the
+    parity check's batch-1 call keeps). ``passed``: how a caller of the diffusers signature passes
+    it (said when it is missing). ``drawn``: ``ToMeSession`` draws it when not given."""
+
+    name: str
+    per_image: bool
+    passed: str
+    drawn: bool = False
+
+
+_SAMPLE = ModelInput("sample", True, "sample [B, C, H, W] (the latent)")
+_TIMESTEP = ModelInput("timestep", False, "the timestep of the call (a number or a tensor)")
+_TEXT = ModelInput("encoder_hidden_states", True, "encoder_hidden_states [B, L, D] (the text embeddings)")
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """A denoiser family: its inputs in graph order and how its calls are shaped.
+
+    ``video_layout``: ``"BCFHW"`` (AnimateDiff) / ``"BFCHW"`` (SVD) for a video U-Net.
+    ``dit``: a diffusion transformer (PixArt-α: the latent is ``hidden_states``, one timestep per
+    image). ``dynamic_batch``: its export can take any batch (video and DiT exports keep theirs).
+    """
+
+    name: str
+    inputs: tuple[ModelInput, ...]
+    video_layout: str | None = None
+    dit: bool = False
+    multiview: bool = False
+    dynamic_batch: bool = True
+
+    @property
+    def names(self) -> list[str]:
+        return [i.name for i in self.inputs]
+
+    @property
+    def per_image(self) -> tuple[str, ...]:
+        return tuple(i.name for i in self.inputs if i.per_image)
+
+    @property
+    def timestep(self) -> str:
+        """The exported timestep input: one per call (Optimum's ``float32[1]``) or per image (DiT)."""
+        return "float32[batch]" if self.dit else "float32[1]"
+
+    @property
+    def sdxl(self) -> bool:
+        return "text_embeds" in self.names
+
+    def with_inputs(self, name: str, *extra: ModelInput, **changes: Any) -> ModelFamily:
+        from dataclasses import replace
+
+        return replace(self, name=name, inputs=self.inputs + extra, **changes)
+
+
+UNET = ModelFamily("unet", (_SAMPLE, _TIMESTEP, _TEXT))
+SDXL = UNET.with_inputs(
+    "sdxl",
+    ModelInput("text_embeds", True, "added_cond_kwargs['text_embeds'] (SDXL's pooled text embedding)"),
+    ModelInput("time_ids", True, "added_cond_kwargs['time_ids'] (SDXL's size and crop conditioning)"),
+)
+ANIMATEDIFF = ModelFamily("animatediff", (_SAMPLE, _TIMESTEP, _TEXT), video_layout="BCFHW",
+                          dynamic_batch=False)
+SVD = ModelFamily("svd", (_SAMPLE, _TIMESTEP, _TEXT, ModelInput(
+    "added_time_ids", True, "added_time_ids (SVD: fps, motion bucket, noise augmentation per video)")),
+    video_layout="BFCHW", dynamic_batch=False)
+PIXART = ModelFamily("pixart", (_SAMPLE, _TIMESTEP, _TEXT, ModelInput(
+    "encoder_attention_mask", True, "encoder_attention_mask [B, L] (the text mask)", drawn=True)),
+    dit=True, dynamic_batch=False)
+PIXART_SIZED = PIXART.with_inputs(  # PixArt-α 1024: resolution and aspect-ratio conditions
+    "pixart-sized",
+    ModelInput("resolution", True, "added_cond_kwargs['resolution'] (PixArt-α 1024)"),
+    ModelInput("aspect_ratio", True, "added_cond_kwargs['aspect_ratio'] (PixArt-α 1024)"),
+)
+MULTIVIEW = UNET.with_inputs(  # Zero123++'s two-pass wrapper around its U-Net
+    "multiview",
+    ModelInput("cond_lat", True, "cross_attention_kwargs={'cond_lat': ...} (multi-view: the condition "
+               "view's latent)"),
+    ModelInput("noise", True, "the condition latent's noise (drawn as the wrapper draws it)", drawn=True),
+    multiview=True,
+)
+FAMILIES = (UNET, SDXL, ANIMATEDIFF, SVD, PIXART, PIXART_SIZED, MULTIVIEW)
+
+
+def family_of(model: Any) -> ModelFamily:
+    """The family of a diffusers denoiser (or of the multi-view export wrapper)."""
+    if getattr(model, "extra_inputs", None) == ("cond_lat", "noise"):
+        return MULTIVIEW
+    kind = type(model).__name__
+    if kind == "PixArtTransformer2DModel":
+        return PIXART_SIZED if getattr(model, "use_additional_conditions", False) else PIXART
+    if kind == "UNetMotionModel":
+        return ANIMATEDIFF
+    if kind == "UNetSpatioTemporalConditionModel":
+        return SVD
+    if getattr(getattr(model, "config", None), "addition_embed_type", None) == "text_time":
+        return SDXL
+    return UNET
+
+
+def needs(name: str) -> str:
+    """How a caller passes input ``name`` (the first family that has it), for a one-line refusal."""
+    return next((i.passed for f in FAMILIES for i in f.inputs if i.name == name), name)
