@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,11 @@ import pytest
 import torch
 
 from tome_compile.models import build_unet, example_inputs
+
+# Under pytest-xdist (pyproject's addopts: two workers on the CI's two cores) each worker computes
+# with one thread: two workers of two threads each would fight over the cores.
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("TOME_TEST_THREADS", "1") != "0":
+    torch.set_num_threads(int(os.environ.get("TOME_TEST_THREADS", "1")))
 
 TINY_SD15: dict[str, Any] = dict(
     sample_size=16, in_channels=4, out_channels=4, block_out_channels=(32, 64),

@@ -18,10 +18,9 @@ from tome_compile import ToMeConfigError, ToMeWarning, generation
 
 
 # The main command ---------------------------------------------------------------------------------
-def test_demo_importance_row_is_importance_merging(tmp_path, capsys):
+def test_demo_importance_row_is_importance_merging(tmp_path):
     """Six prompts with CFG are 12 rows: the old ``auto`` refused them and the importance row was
-    the ToMe row (same pictures, same PSNR). Now it is importance merging, and a run where it
-    could not be (one step: no map ever) says so in the row's name."""
+    the ToMe row (same pictures, same PSNR). Now it is importance merging."""
     from tome_compile.shapes.demo import main
 
     out = tmp_path / "demo.png"
@@ -30,12 +29,24 @@ def test_demo_importance_row_is_importance_merging(tmp_path, capsys):
     assert data["rows"] == ["plain", "tome 0.5", "importance 0.5"] and len(data["prompts"]) == 6
     tome, importance = data["results"][1], data["results"][2]
     assert abs(tome["psnr_db"] - importance["psnr_db"]) > 0.1  # other pictures, not the ToMe ones
-    capsys.readouterr()
-    # negative: one step has no previous output, so no guidance map: the row must not claim importance
-    assert main(["--steps", "1", "--prompts", "red circle", "--compiler", "eager", "--out", str(out)]) == 0
-    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert rows == ["plain", "tome 0.5", "importance 0.5 (ran as tome)"]
-    assert "| importance 0.5 (ran as tome) |" in capsys.readouterr().out
+
+
+def test_demo_never_labels_a_fallback_as_the_method():
+    """A backend that never ran its method (importance without a map on any call, a backend that
+    rewrote nothing) is named so the row says "(ran as tome)"."""
+    from types import SimpleNamespace
+
+    from tome_compile.shapes.demo import ran_as_another_method
+
+    def backend(rewrote, importance_calls):
+        calls = {"tome": 1, "importance": importance_calls}
+        return SimpleNamespace(reports=[SimpleNamespace(modified=rewrote)],
+                               driver=SimpleNamespace(calls_by_kind=calls))
+
+    assert ran_as_another_method({"tome": backend(True, 0), "importance": backend(True, 3)}, 0.5) == []
+    assert ran_as_another_method({"tome": backend(True, 0), "importance": backend(True, 0)}, 0.5) == [
+        "importance 0.5"]
+    assert ran_as_another_method({"tome": backend(False, 0)}, 0.3) == ["tome 0.3"]
 
 
 @pytest.mark.parametrize("guidance, images", [(None, 3), ("cfg", 3), ("pix2pix", 2)])

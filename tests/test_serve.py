@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import concurrent.futures
 import io
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
-ray = pytest.importorskip("ray")  # the test extra installs ray[serve]; skip cleanly elsewhere
+ray = pytest.importorskip("ray")
+# one worker runs this module under pytest-xdist: its server fixture is the machine's one local Ray
+pytestmark = pytest.mark.xdist_group("ray")  # the test extra installs ray[serve]; skip cleanly elsewhere
 
 from tome_compile.serve.bench import free_port, post, wait_healthy  # noqa: E402 (after the importorskip)
 from tome_compile.serve.engine import Engine, ServeSpec  # noqa: E402 (after the importorskip)
@@ -255,9 +259,14 @@ def test_sigterm_drains_then_shuts_serve_and_ray_down(server):
         except OSError as e:  # the server may be gone already: refused, never a hang
             return "refused", str(e).encode(), {}
 
+    def in_flight_now():
+        return json.loads(urllib.request.urlopen(base + "/healthz", timeout=30).read())["in_flight"]
+
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         in_flight = [pool.submit(generate, base, seed=seed, steps=100) for seed in (41, 42, 43)]
-        time.sleep(2.0)  # in the model: 100 steps of a batch of 3 take seconds
+        deadline = time.monotonic() + 60
+        while in_flight_now() < 3 and time.monotonic() < deadline:  # all three in the model
+            time.sleep(0.1)
         process.send_signal(signal.SIGTERM)
         time.sleep(1.0)
         started = time.monotonic()

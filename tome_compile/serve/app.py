@@ -148,7 +148,7 @@ class Frontend:
         except Exception as e:  # noqa: BLE001 - not ready, for whatever reason: say which
             return JSONResponse({"status": "unavailable", "error": f"{type(e).__name__}: {str(e)[:200]}"},
                                 status_code=503)
-        return JSONResponse({"status": "ok", **info})
+        return JSONResponse({"status": "ok", "in_flight": self._in_model, **info})
 
     @staticmethod
     async def _await(response: Any) -> Any:
