@@ -18,9 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ray = pytest.importorskip("ray")
-# one worker runs this module under pytest-xdist: its server fixture is the machine's one local Ray
-pytestmark = pytest.mark.xdist_group("ray")  # the test extra installs ray[serve]; skip cleanly elsewhere
+ray = pytest.importorskip("ray")  # the test extra installs ray[serve]; skip cleanly elsewhere
 
 from tome_compile.serve.bench import free_port, post, wait_healthy  # noqa: E402 (after the importorskip)
 from tome_compile.serve.engine import Engine, ServeSpec  # noqa: E402 (after the importorskip)
