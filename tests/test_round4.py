@@ -168,6 +168,9 @@ def test_a_second_apply_replaces_the_first(sd15):
     unet, _ = sd15
     pipe = sd_pipe(unet, seed=0)
     generate(pipe, latent(1))
+    with pytest.raises(ToMeConfigError, match="ratio=0.9 is outside"):
+        tome_compile.apply(pipe, 0.9, compiler="eager")  # bad new settings: the old ones stay
+    assert pipe.tome.config.ratio == 0.5
     tome_compile.apply(pipe, 0.3, compiler="eager", seed=0)  # not stacked on the first
     assert pipe.tome.config.ratio == 0.3 and not hasattr(pipe.unet._orig_mod, "_orig_mod")
     from diffusers import StableDiffusionPipeline

@@ -185,8 +185,8 @@ def _unsupported_denoiser(model: Any, name: str) -> str | None:
         if hooks:
             return (f"{where} has diffusers hooks {sorted(hooks)} (a cache such as apply_first_block_cache, "
                     "group offloading, ...): they decide per step in Python which blocks run, which a "
-                    "compiled ToMe graph cannot follow; remove them (pipe.{name}.disable_cache() or a fresh "
-                    "pipeline) before tome_compile.apply")
+                    f"compiled ToMe graph cannot follow; remove them (pipe.{name}.disable_cache() or a "
+                    "fresh pipeline) before tome_compile.apply")
     return None
 
 
@@ -212,6 +212,8 @@ def apply(pipe: Any, ratio: float | ToMeConfig | None = None, *, onnx: str | Pat
     """
     name = _denoiser_name(pipe)
     if getattr(pipe, "tome", None) is not None:
+        if onnx is None and (ratio is not None or options):  # bad new settings keep the old ones
+            ToMeConfig.from_options(0.5 if ratio is None else ratio, **options)
         remove(pipe)
     model = getattr(pipe, name)
     layout = options.pop("guidance", None) or guidance_layout(pipe)
