@@ -189,8 +189,10 @@ class ToMeBackend:
             result = form(rewritten, result)
         mode = _fake_mode(example_inputs)
         device = _device_of(example_inputs)
-        extra = [mode.from_tensor(s.zeros(device)) if mode is not None else s.zeros(device)
-                 for s in result.inputs]
+        # static: a size of the ToMe inputs (3 images' maps) must not become a symbol of Dynamo's
+        # shape env with no source — Dynamo fails building its guards on one (IndexError)
+        extra = [mode.from_tensor(s.zeros(device), static_shapes=True) if mode is not None
+                 else s.zeros(device) for s in result.inputs]
         module = rewritten if result.modified else gm
         return result, compile_fn(module, list(example_inputs) + extra)
 

@@ -154,5 +154,6 @@ def draw_tome_inputs(specs: Sequence[ToMeInputSpec], sampler: PartitionSampler,
         else:  # dst_key
             value = (sampler.draw_keys(spec.shape[0], spec.shape[1], device)
                      if importance is not None and not reuse else spec.zeros(device))
-        values.append(value)
+        # dense: a compiled graph asserts its inputs' strides (expanded keys have stride 0 on dim 0)
+        values.append(value.contiguous())
     return values
