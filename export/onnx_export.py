@@ -266,7 +266,7 @@ def _prepare(unet: torch.nn.Module, out: Path, config: ToMeConfig, o: ExportOpti
 
 
 def _stage_trace(run: _Run) -> None:
-    run.gm = trace_unet(run.unet, run.args, run.family, run.inputs, run.dynamic)
+    run.gm = trace_unet(run.unet, run.args, run.family, run.dynamic)
     drop_noop_squeezes(run.gm)
     promote_mixed_concats(run.gm)
     run.dead_attentions = drop_dead_code(run.gm)

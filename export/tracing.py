@@ -12,7 +12,7 @@ from tome_compile.passes.sites import node_shape as _sites_node_shape
 from torch import fx
 
 from tome_compile.errors import ToMeExportError
-from tome_compile.families import ModelFamily
+from tome_compile.families import ModelFamily, nested
 
 __all__ = ["assert_no_scatter_mean", "attention_count", "drop_dead_code", "drop_noop_squeezes",
            "plain_graph_module", "promote_mixed_concats", "sdpa_nodes", "trace_unet"]
@@ -143,33 +143,25 @@ def attention_count(unet: torch.nn.Module, gm: fx.GraphModule, passes: int, dead
     return sum(isinstance(m, Attention) for m in unet.modules()) * passes - dead - masked
 
 
-def trace_unet(unet: torch.nn.Module, args: tuple[torch.Tensor, ...], family: ModelFamily, inputs: Any,
+def trace_unet(unet: torch.nn.Module, args: tuple[torch.Tensor, ...], family: ModelFamily,
                dynamic: bool) -> fx.GraphModule:
-    """``torch.export`` of the U-Net itself (not a wrapper), so site paths read as in diffusers;
-    SDXL's added_cond_kwargs flatten to the text_embeds, time_ids inputs. ``dynamic``: the family's
-    per-image inputs get a dynamic batch axis."""
+    """``torch.export`` of the U-Net itself (not a wrapper), so site paths read as in diffusers.
+    Every input goes where its family says (``ModelInput.keyword``: SDXL's ``added_cond_kwargs``
+    flatten to the ``text_embeds``, ``time_ids`` inputs), in the family's order, which the graph's
+    inputs keep; with ``dynamic`` each per-image input gets a dynamic batch axis."""
     batch = torch.export.Dim.DYNAMIC
-    kwargs: dict[str, Any] = {"return_dict": False}
-    if family.sdxl:
-        kwargs["added_cond_kwargs"] = {"text_embeds": inputs.text_embeds, "time_ids": inputs.time_ids}
-    if inputs.added_time_ids is not None:  # SVD
-        kwargs["added_time_ids"] = inputs.added_time_ids
     if family.multiview:  # the multi-view wrapper (MultiViewExport): its inputs positional
         shapes = tuple({0: batch} if name in family.per_image else None for name in family.names)
         with torch.no_grad():
             ep = torch.export.export(unet, args, dynamic_shapes=shapes if dynamic else None)
         return plain_graph_module(ep)
-    if family.dit:  # PixArt: every input by name, in the order of the graph's inputs
-        kwargs = {**{k: v for k, v in inputs.kwargs().items() if k != "hidden_states"}, **kwargs}
-        with torch.no_grad():
-            ep = torch.export.export(unet, (inputs.sample,), kwargs)
-        return plain_graph_module(ep)
+    values = nested((i.keyword, value) for i, value in zip(family.inputs, args, strict=True))
+    leading = 1 if family.dit else 3  # PixArt: the latent positional, the rest by name
+    positional = tuple(values.pop(i.keyword) for i in family.inputs[:leading])
     shapes = None
     if dynamic:
-        axis = {name: {0: batch} if name in family.per_image else None for name in family.names}
-        shapes = {**{name: axis[name] for name in family.names[:3]}, "return_dict": None}
-        if family.sdxl:
-            shapes["added_cond_kwargs"] = {"text_embeds": axis["text_embeds"], "time_ids": axis["time_ids"]}
+        axes = nested((i.keyword, {0: batch} if i.per_image else None) for i in family.inputs)
+        shapes = {**axes, "return_dict": None}
     with torch.no_grad():
-        ep = torch.export.export(unet, args[:3], kwargs, dynamic_shapes=shapes)
+        ep = torch.export.export(unet, positional, {**values, "return_dict": False}, dynamic_shapes=shapes)
     return plain_graph_module(ep)

@@ -12,10 +12,11 @@ input to a family is one line here (and its example value in ``models.example_in
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FAMILIES", "ModelFamily", "ModelInput", "family_of", "needs"]
+__all__ = ["FAMILIES", "ModelFamily", "ModelInput", "family_of", "nested", "needs"]
 
 
 @dataclass(frozen=True)
@@ -24,12 +25,19 @@ class ModelInput:
 
     ``per_image``: axis 0 holds one row per image of the batch (a dynamic batch axis, the rows the
     parity check's batch-1 call keeps). ``passed``: how a caller of the diffusers signature passes
-    it (said when it is missing). ``drawn``: ``ToMeSession`` draws it when not given."""
+    it (said when it is missing). ``drawn``: ``ToMeSession`` draws it when not given. ``call``: its
+    keyword in the model's ``forward``, dotted into a dict argument (``added_cond_kwargs.time_ids``);
+    default ``name``."""
 
     name: str
     per_image: bool
     passed: str
     drawn: bool = False
+    call: str = ""
+
+    @property
+    def keyword(self) -> str:
+        return self.call or self.name
 
 
 _SAMPLE = ModelInput("sample", True, "sample [B, C, H, W] (the latent)")
@@ -79,21 +87,26 @@ class ModelFamily:
 UNET = ModelFamily("unet", (_SAMPLE, _TIMESTEP, _TEXT))
 SDXL = UNET.with_inputs(
     "sdxl",
-    ModelInput("text_embeds", True, "added_cond_kwargs['text_embeds'] (SDXL's pooled text embedding)"),
-    ModelInput("time_ids", True, "added_cond_kwargs['time_ids'] (SDXL's size and crop conditioning)"),
+    ModelInput("text_embeds", True, "added_cond_kwargs['text_embeds'] (SDXL's pooled text embedding)",
+               call="added_cond_kwargs.text_embeds"),
+    ModelInput("time_ids", True, "added_cond_kwargs['time_ids'] (SDXL's size and crop conditioning)",
+               call="added_cond_kwargs.time_ids"),
 )
 ANIMATEDIFF = ModelFamily("animatediff", (_SAMPLE, _TIMESTEP, _TEXT), video_layout="BCFHW",
                           dynamic_batch=False)
 SVD = ModelFamily("svd", (_SAMPLE, _TIMESTEP, _TEXT, ModelInput(
     "added_time_ids", True, "added_time_ids (SVD: fps, motion bucket, noise augmentation per video)")),
     video_layout="BFCHW", dynamic_batch=False)
-PIXART = ModelFamily("pixart", (_SAMPLE, _TIMESTEP, _TEXT, ModelInput(
+_LATENT = ModelInput("sample", True, "hidden_states [B, C, H, W] (the latent)", call="hidden_states")
+PIXART = ModelFamily("pixart", (_LATENT, _TIMESTEP, _TEXT, ModelInput(
     "encoder_attention_mask", True, "encoder_attention_mask [B, L] (the text mask)", drawn=True)),
     dit=True, dynamic_batch=False)
 PIXART_SIZED = PIXART.with_inputs(  # PixArt-α 1024: resolution and aspect-ratio conditions
     "pixart-sized",
-    ModelInput("resolution", True, "added_cond_kwargs['resolution'] (PixArt-α 1024)"),
-    ModelInput("aspect_ratio", True, "added_cond_kwargs['aspect_ratio'] (PixArt-α 1024)"),
+    ModelInput("resolution", True, "added_cond_kwargs['resolution'] (PixArt-α 1024)",
+               call="added_cond_kwargs.resolution"),
+    ModelInput("aspect_ratio", True, "added_cond_kwargs['aspect_ratio'] (PixArt-α 1024)",
+               call="added_cond_kwargs.aspect_ratio"),
 )
 MULTIVIEW = UNET.with_inputs(  # Zero123++'s two-pass wrapper around its U-Net
     "multiview",
@@ -124,3 +137,17 @@ def family_of(model: Any) -> ModelFamily:
 def needs(name: str) -> str:
     """How a caller passes input ``name`` (the first family that has it), for a one-line refusal."""
     return next((i.passed for f in FAMILIES for i in f.inputs if i.name == name), name)
+
+
+def nested(pairs: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """``[("sample", x), ("added_cond_kwargs.time_ids", t)]`` -> ``{"sample": x, "added_cond_kwargs":
+    {"time_ids": t}}``: a family's inputs as ``forward`` keywords (or any per-input value so placed,
+    such as ``torch.export``'s dynamic shapes), in the given order."""
+    out: dict[str, Any] = {}
+    for path, value in pairs:
+        *outer, last = path.split(".")
+        level = out
+        for key in outer:
+            level = level.setdefault(key, {})
+        level[last] = value
+    return out

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from tome_compile.errors import ToMeModelError
-from tome_compile.families import family_of
+from tome_compile.families import ModelFamily, family_of, nested
 
 __all__ = [
     "ARCHITECTURES",
@@ -169,28 +169,18 @@ class UNetInputs:
     cond_lat: torch.Tensor | None = None  # multi-view (Zero123++): the condition view's latent
     noise: torch.Tensor | None = None  # and the noise the wrapper adds to it
 
+    family: ModelFamily | None = None  # what the inputs are (set by example_inputs)
+
     def args(self) -> tuple[torch.Tensor, ...]:
-        """In ``unet_input_names`` order (the order of the exported graph's inputs)."""
-        extra = () if self.text_embeds is None else (self.text_embeds, self.time_ids)
-        extra += tuple(t for t in (self.added_time_ids, self.encoder_attention_mask, self.resolution,
-                                   self.aspect_ratio, self.cond_lat, self.noise) if t is not None)
-        return (self.sample, self.timestep, self.encoder_hidden_states) + extra
+        """The family's inputs in graph order (the order of the exported graph's inputs)."""
+        assert self.family is not None
+        return tuple(getattr(self, name) for name in self.family.names)
 
     def kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for the model's ``forward`` (in ``args`` order: torch.export keeps it)."""
-        out: dict[str, Any] = {
-            "hidden_states" if self.dit else "sample": self.sample,
-            "timestep": self.timestep,
-            "encoder_hidden_states": self.encoder_hidden_states,
-        }
-        if self.text_embeds is not None:
-            out["added_cond_kwargs"] = {"text_embeds": self.text_embeds, "time_ids": self.time_ids}
-        if self.added_time_ids is not None:
-            out["added_time_ids"] = self.added_time_ids
-        if self.dit:
-            out["encoder_attention_mask"] = self.encoder_attention_mask
-            out["added_cond_kwargs"] = {"resolution": self.resolution, "aspect_ratio": self.aspect_ratio}
-        return out
+        """Keyword arguments for the model's ``forward``, each input at its family's keyword (in
+        ``args`` order: torch.export keeps it)."""
+        assert self.family is not None
+        return nested((i.keyword, getattr(self, i.name)) for i in self.family.inputs)
 
 
 def is_dit(unet: torch.nn.Module) -> bool:
@@ -221,7 +211,16 @@ def example_inputs(unet: torch.nn.Module, *, batch: int = 2, height: int = 512, 
                    dtype: torch.dtype | None = None, frames: int | None = None) -> UNetInputs:
     """Random inputs of the right shapes for ``unet`` at an image size of ``height × width``
     (video U-Nets: ``frames`` per video, as their pipelines call them; the multi-view wrapper: the
-    3 x 2 tiled views, the condition view's latent and its noise)."""
+    3 x 2 tiled views, the condition view's latent and its noise), one value per input of its
+    family (:mod:`tome_compile.families`)."""
+    inputs = _example_values(unet, batch=batch, height=height, width=width, seq_len=seq_len, seed=seed,
+                             device=device, dtype=dtype, frames=frames)
+    inputs.family = family_of(unet)
+    return inputs
+
+
+def _example_values(unet: torch.nn.Module, *, batch: int, height: int, width: int, seq_len: int, seed: int,
+                    device: str | torch.device, dtype: torch.dtype | None, frames: int | None) -> UNetInputs:
     if getattr(unet, "extra_inputs", None) == ("cond_lat", "noise"):
         if height % 24 or width % 16:
             raise ToMeModelError(
