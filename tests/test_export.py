@@ -980,3 +980,30 @@ def test_metadata_round_trip_and_files_without_it(tmp_path, exported):
     onnx.save(old, str(tmp_path / "old.onnx"))
     with pytest.raises(ToMeExportError, match="another tome-compile version .* version 1"):
         ToMeSession(tmp_path / "old.onnx")
+
+
+def test_lcm_timestep_cond_is_an_input_of_its_family(tmp_path):
+    """#33: a family input added in one record (families.LCM: ``timestep_cond``, LCM's
+    guidance-scale embedding) and its example value: the export takes it (per-image, dynamic
+    batch), ToMeSession feeds it and equals the backend, and refuses a call without it."""
+    from conftest import TINY_SD15
+
+    from tome_compile.models import build_unet, example_inputs
+
+    unet = build_unet(dict(TINY_SD15, time_cond_proj_dim=8))
+    inputs = example_inputs(unet, batch=2, height=128, width=128, seq_len=7)
+    assert inputs.family.name == "lcm" and inputs.family.names[-1] == "timestep_cond"
+    path = export_onnx(copy.deepcopy(unet), tmp_path / "lcm.onnx", ToMeConfig(ratio=0.5, seed=0), height=128,
+                       width=128, seq_len=7, partition_input=True).path
+    session = ToMeSession(path, seed=0)
+    assert session.meta.family == "lcm" and "timestep_cond" in session._model_inputs
+    compiled = torch.compile(copy.deepcopy(unet), backend=tome_backend(0.5, compiler="eager", seed=0))
+    kwargs = {"encoder_hidden_states": inputs.encoder_hidden_states, "timestep_cond": inputs.timestep_cond}
+    for t in (999, 800):
+        ours = session(inputs.sample, torch.tensor(t), **kwargs).sample
+        with torch.no_grad():
+            expected = compiled(inputs.sample, torch.tensor(t), **kwargs).sample
+            plain = unet(inputs.sample, torch.tensor(t), **kwargs).sample
+        assert (ours - expected).abs().max() < 1e-4 and (ours - plain).abs().max() > 1e-3
+    with pytest.raises(ToMeExportError, match=r"this export needs timestep_cond \[B, D\]"):
+        session(inputs.sample[:1], torch.tensor(999), encoder_hidden_states=inputs.encoder_hidden_states[:1])

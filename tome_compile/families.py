@@ -92,6 +92,9 @@ SDXL = UNET.with_inputs(
     ModelInput("time_ids", True, "added_cond_kwargs['time_ids'] (SDXL's size and crop conditioning)",
                call="added_cond_kwargs.time_ids"),
 )
+LCM = UNET.with_inputs(  # a U-Net distilled with its guidance scale as an input (LCM: time_cond_proj_dim)
+    "lcm", ModelInput("timestep_cond", True, "timestep_cond [B, D] (LCM's guidance-scale embedding)"),
+)
 ANIMATEDIFF = ModelFamily("animatediff", (_SAMPLE, _TIMESTEP, _TEXT), video_layout="BCFHW",
                           dynamic_batch=False)
 SVD = ModelFamily("svd", (_SAMPLE, _TIMESTEP, _TEXT, ModelInput(
@@ -115,7 +118,7 @@ MULTIVIEW = UNET.with_inputs(  # Zero123++'s two-pass wrapper around its U-Net
     ModelInput("noise", True, "the condition latent's noise (drawn as the wrapper draws it)", drawn=True),
     multiview=True,
 )
-FAMILIES = (UNET, SDXL, ANIMATEDIFF, SVD, PIXART, PIXART_SIZED, MULTIVIEW)
+FAMILIES = (UNET, SDXL, LCM, ANIMATEDIFF, SVD, PIXART, PIXART_SIZED, MULTIVIEW)
 
 
 def family_of(model: Any) -> ModelFamily:
@@ -131,6 +134,8 @@ def family_of(model: Any) -> ModelFamily:
         return SVD
     if getattr(getattr(model, "config", None), "addition_embed_type", None) == "text_time":
         return SDXL
+    if getattr(getattr(model, "config", None), "time_cond_proj_dim", None):
+        return LCM
     return UNET
 
 

@@ -166,6 +166,7 @@ class UNetInputs:
     encoder_attention_mask: torch.Tensor | None = None
     resolution: torch.Tensor | None = None
     aspect_ratio: torch.Tensor | None = None
+    timestep_cond: torch.Tensor | None = None  # LCM: the guidance-scale embedding
     cond_lat: torch.Tensor | None = None  # multi-view (Zero123++): the condition view's latent
     noise: torch.Tensor | None = None  # and the noise the wrapper adds to it
 
@@ -275,6 +276,8 @@ def _example_values(unet: torch.nn.Module, *, batch: int, height: int, width: in
         inputs.text_embeds = torch.randn(batch, text_dim, generator=g).to(device, dtype)
         inputs.time_ids = torch.tensor([[height, width, 0, 0, height, width]] * batch,
                                        dtype=dtype, device=device)
+    if getattr(cfg, "time_cond_proj_dim", None):  # LCM: w-embedding of its guidance scale
+        inputs.timestep_cond = torch.randn(batch, cfg.time_cond_proj_dim, generator=g).to(device, dtype)
     return inputs
 
 
