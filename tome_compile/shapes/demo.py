@@ -137,9 +137,7 @@ def _run(args: argparse.Namespace) -> int:
     from tome_compile.shapes.probe import load_probe
 
     ToMeConfig(ratio=args.ratio, method="importance")  # validates the ratio for both methods
-    out = _output_path(args.out)
-    if (args.steps is not None and args.steps < 1) or args.seeds < 1:
-        raise ValueError(f"--steps {args.steps} and --seeds {args.seeds} must both be >= 1")
+    out = _output_path(args.out)  # (--steps, --seeds: positive_int refused a number below 1)
     target = load_target(args.model, args.size)
     if args.steps is None:
         args.steps = DEFAULT_STEPS if target.shapes_prompts else 25
