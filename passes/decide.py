@@ -12,6 +12,7 @@ from tome_compile.passes import sites as _sites
 from torch import fx
 
 from tome_compile import merge as _merge
+from tome_compile import plans as _plans
 from tome_compile.config import ToMeConfig, format_blocks
 
 __all__ = ["STORED_REFERENCE", "BlockPlan", "Skip", "Target", "decide_all", "decide_site",
@@ -52,6 +53,9 @@ class BlockPlan:
     grid: tuple[int, int]  # (h, w) of the block's token grid
     downsample: int
     targets: tuple[Target, ...] = field(default_factory=tuple)
+    # the node whose last two axes are the grid ``downsample`` divides (the pass's first convolution):
+    # the rewritten graph computes the block's sizes from it at every call (None: fixed sizes)
+    source: fx.Node | None = None
 
 
 def _short(path: str, block: str) -> str:
@@ -86,10 +90,8 @@ def _block_size(site: _sites.AttentionSite, config: ToMeConfig,
 def _merge_count(n: int, h: int, w: int, config: ToMeConfig) -> int:
     """tomesd's ``r = int(N * ratio)``, capped at the sources (and, for importance, so that both
     the importance and the fallback plan merge the same count)."""
-    r = min(int(n * config.ratio), n - _merge.partition_cells(h, w, config.sx, config.sy))
-    if config.method == "importance":
-        r = min(r, n - int(n * config.dst_fraction))
-    return r
+    return int(_plans.merge_count(n, _merge.partition_cells(h, w, config.sx, config.sy), config.ratio,
+                                  config.method == "importance", config.dst_fraction))
 
 
 def _targets(site: _sites.AttentionSite, found: list[_sites.AttentionSite], graph: fx.Graph,
@@ -131,6 +133,7 @@ def decide_site(
     config: ToMeConfig,
     latent: tuple[int, int] | None,
     rows: int | None = None,
+    source: fx.Node | None = None,
 ) -> BlockPlan | Skip:
     """The plan for ``site``'s block, or why it is skipped (tomesd's rule, from shapes). ``rows``:
     the latent's batch at ``conv_in`` (B x F for a video U-Net), to tell temporal attention apart."""
@@ -154,7 +157,7 @@ def decide_site(
     if not targets:
         return Skip("merge_attn, merge_crossattn and merge_mlp are all off", (h, w), downsample)
     return BlockPlan(site=site, metric=metric, tokens=n, merged=r, grid=(h, w), downsample=downsample,
-                     targets=tuple(targets))
+                     targets=tuple(targets), source=source)
 
 
 # The skip reason of a self-attention whose input the graph hands out (kept for a later call)
@@ -181,7 +184,8 @@ def decide_all(gm: fx.GraphModule, found: list[_sites.AttentionSite], passes: li
                             cause="stored-reference"))
             continue
         grid = unet_pass.grid or latent_hw or unet_pass.latent
-        out.append(decide_site(site, found, gm.graph, config, grid, unet_pass.rows))
+        source = unet_pass.conv if unet_pass.grid is not None else None
+        out.append(decide_site(site, found, gm.graph, config, grid, unet_pass.rows, source))
     return out
 
 

@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from typing import Any
 
 import torch
 from tome_compile.passes.result import ToMeResult, ToMeSite
+from tome_compile.passes.rewrite import size_value
 from torch import fx
 
 from tome_compile import merge as _merge
@@ -98,22 +100,27 @@ def hash_random(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
     with graph.inserting_before(first):
         seed = graph.placeholder(spec.name)
     seed.meta["tome"] = {"role": "input", "spec": spec}
-    with graph.inserting_after(placeholders[-1]):
-        for node in drawn:
-            old = node.meta["tome"]["spec"]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in drawn:
+        old = node.meta["tome"]["spec"]
+        if old.draw == "partition":
+            _hash_block_cells(graph, node, seed, timestep, old.choices)
+            if not node.users:
+                graph.erase_node(node)
+                continue
+        first_user = min(node.users, key=order.__getitem__)
+        with graph.inserting_before(first_user):  # after the sizes its length is computed from
             if old.draw == "dst_key":
+                pools = [g for n, _, g in _own_plans(graph) if n.kwargs.get("importance") is not None]
+                total = size_value(graph, _plans.total_pool, pools, "hashed")
                 value = graph.call_function(_sampler.hashed_keys,
-                                            (seed, timestep, inputs["importance"], old.shape[1]))
+                                            (seed, timestep, inputs["importance"], total))
             else:
-                _hash_block_cells(graph, node, seed, timestep, old.choices)
-                if not node.users:
-                    graph.erase_node(node)
-                    continue
-                value = graph.call_function(_sampler.hashed_partition,
-                                            (seed, timestep, old.shape[0], old.choices))
-            value.meta["tome"] = {"role": "plan", "site": "hashed"}
-            node.replace_all_uses_with(value)
-            graph.erase_node(node)
+                total = size_value(graph, _plans.total_cells, [g for _, _, g in _own_plans(graph)], "hashed")
+                value = graph.call_function(_sampler.hashed_partition, (seed, timestep, total, old.choices))
+        value.meta["tome"] = {"role": "plan", "site": "hashed"}
+        node.replace_all_uses_with(value)
+        graph.erase_node(node)
     gone = {n.name for n in drawn}
     specs: list[ToMeInputSpec] = []
     for s in result.inputs:
@@ -127,20 +134,21 @@ def hash_random(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
     return dataclasses.replace(result, inputs=specs, sites=_noted(result, note))
 
 
-def _own_plans(graph: fx.Graph) -> list[tuple[fx.Node, PlanGeometry]]:
+def _own_plans(graph: fx.Graph) -> list[tuple[fx.Node, PlanGeometry, Any]]:
     """The plan nodes of the blocks that make a plan (not those that share one), in execution
-    order, with their sizes: what the rewrite tagged."""
+    order, with their traced sizes (what the rewrite tagged) and their sizes as the graph computes
+    them (the plan's ``geometry`` operand: a constant, or a node)."""
     slots = [n for n in graph.nodes if n.meta.get("tome", {}).get("made") == "slot"]
     plans = [n.args[0] for n in slots]  # operator.getitem(plan, 0)
-    return [(p, p.meta["tome"]["geometry"]) for p in plans]
+    return [(p, p.meta["tome"]["geometry"], p.kwargs["geometry"]) for p in plans]
 
 
-def _state_specs(result: ToMeResult, plans: list[tuple[fx.Node, PlanGeometry]]) -> list[ToMeInputSpec]:
+def _state_specs(result: ToMeResult, plans: list[tuple[fx.Node, PlanGeometry, Any]]) -> list[ToMeInputSpec]:
     """The packed plans' specs, flat ``[B * sum N]`` / ``[B * sum (N - r)]``."""
     b = result.plan_batch
     if b is None:
         raise ToMeRewriteError("plan_every needs a batch size known when the graph is rewritten")
-    tokens, kept = sum(g.tokens for _, g in plans), sum(g.kept for _, g in plans)
+    tokens, kept = sum(g.tokens for _, g, _ in plans), sum(g.kept for _, g, _ in plans)
     return [ToMeInputSpec.of("plan_slot", (b * tokens,), torch.int64),
             ToMeInputSpec.of("plan_weight", (b * kept,), torch.float32)]
 
@@ -189,8 +197,9 @@ def reuse_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
     graph = gm.graph
     specs = _state_specs(result, own)
     state = _append_inputs(graph, specs)
-    for (node, geometry), where in zip(own, _slices(own), strict=True):
+    for k, (node, _, geometry) in enumerate(own):
         with graph.inserting_before(node):
+            where = _slice(graph, own, k)
             fed = graph.call_function(_plans.unpack_plan, (), dict(
                 slots=state[0], weights=state[1], like=node.kwargs["metric"], where=where, geometry=geometry))
         _replace(node, fed)
@@ -203,7 +212,7 @@ def reuse_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
 
 
 def _replaceable_plans(gm: fx.GraphModule, result: ToMeResult, who: str
-                       ) -> list[tuple[fx.Node, PlanGeometry]]:
+                       ) -> list[tuple[fx.Node, PlanGeometry, Any]]:
     """The graph's own plan nodes, for a pass that replaces them; refused when it has plan state."""
     if result.plan_state is not None:
         raise ToMeRewriteError(f"{who}: the graph already has plan state ({result.plan_state!r})")
@@ -215,17 +224,19 @@ def _drop_unused(graph: fx.Graph) -> None:
     fitted map, then their inputs), last first so that chains go in one sweep."""
     for node in reversed(list(graph.nodes)):
         tag = node.meta.get("tome", {})
-        if not node.users and tag.get("role") in ("plan", "input"):
+        if not node.users and tag.get("role") in ("plan", "input", "sizes"):
             graph.erase_node(node)
 
 
-# The plans.make_plan method of each plan function the rewrite (or fallback_plans) calls, and the
-# map operands it reads besides ``metric`` and ``choice`` (read by name from the node's keywords)
-_MAKERS = {
-    _merge.tome_plan: ("tome", ()),
-    _merge.importance_plan: ("importance", ("importance", "dst_key")),
-    _plans.importance_or_tome_plan: ("importance_or_tome", ("has_map", "importance", "dst_key")),
-}
+# The map operands each plans.make_plan method reads besides ``metric`` and ``choice`` (by name
+# from the node's keywords); "importance_or_tome" is fallback_plans' importance_or_tome_plan.
+_MAP_OPERANDS = {"tome": (), "importance": ("importance", "dst_key"),
+                 "importance_or_tome": ("has_map", "importance", "dst_key")}
+
+
+def _method(node: fx.Node) -> str:
+    """The plans.make_plan method of a plan node the rewrite (or fallback_plans) made."""
+    return "importance_or_tome" if node.target is _plans.importance_or_tome_plan else node.kwargs["method"]
 
 
 def either_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
@@ -239,10 +250,11 @@ def either_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
     graph = gm.graph
     specs = [*_state_specs(result, own), ToMeInputSpec.of("reuse", (), torch.bool)]
     slots, weights, reuse = _append_inputs(graph, specs)
-    for (node, geometry), where in zip(own, _slices(own), strict=True):
-        method, operands = _MAKERS[node.target]
-        maps = {name: node.kwargs[name] for name in operands}
+    for k, (node, _, geometry) in enumerate(own):
+        method = _method(node)
+        maps = {name: node.kwargs[name] for name in _MAP_OPERANDS[method]}
         with graph.inserting_before(node):
+            where = _slice(graph, own, k)
             either = graph.call_function(_plans.plan_or_reuse, (), dict(
                 reuse=reuse, slots=slots, weights=weights, where=where, method=method,
                 metric=node.kwargs["metric"], choice=node.kwargs.get("choice"), geometry=geometry, **maps))
@@ -266,14 +278,10 @@ def _append_inputs(graph: fx.Graph, specs: list[ToMeInputSpec]) -> list[fx.Node]
     return nodes
 
 
-def _slices(own: list[tuple[fx.Node, PlanGeometry]]) -> list[PlanSlice]:
-    """Where each plan sits in the packed state: running offsets, in the order keep_plans packs."""
-    slot_total, weight_total = sum(g.tokens for _, g in own), sum(g.kept for _, g in own)
-    out, slot_offset, weight_offset = [], 0, 0
-    for _, g in own:
-        out.append(PlanSlice(slot_offset, weight_offset, slot_total, weight_total))
-        slot_offset, weight_offset = slot_offset + g.tokens, weight_offset + g.kept
-    return out
+def _slice(graph: fx.Graph, own: list[tuple[fx.Node, PlanGeometry, Any]], k: int) -> PlanSlice | fx.Node:
+    """Where plan ``k`` sits in the packed state (the order keep_plans packs): a constant, or a
+    node that computes it from the blocks' sizes (inserted at the current insert point)."""
+    return size_value(graph, _plans.plan_slice, (k, *(g for _, _, g in own)), "plans")
 
 
 def _replace(node: fx.Node, new: fx.Node) -> None:
@@ -290,8 +298,8 @@ def fallback_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
     ``tome_dst_key`` also takes a ``tome_partition`` input (last) for the ToMe branch's random
     destinations. Run before the plan-state passes. A graph without importance plans is returned
     as is."""
-    own = [(n, g) for n, g in _replaceable_plans(gm, result, "fallback_plans")
-           if n.target is _merge.importance_plan]
+    own = [(n, g, value) for n, g, value in _replaceable_plans(gm, result, "fallback_plans")
+           if n.kwargs.get("method") == "importance"]
     if not own:
         return result
     graph = gm.graph
@@ -303,23 +311,24 @@ def fallback_plans(gm: fx.GraphModule, result: ToMeResult) -> ToMeResult:
     specs = [s for spec in result.inputs for s in ([spec, flag] if spec.draw == "importance" else [spec])]
     partition = None
     if "dst_key" in inputs:  # random destinations: the ToMe branch draws its partition too
-        spec = partition_spec(tuple((g.h // g.sy, g.w // g.sx) for _, g in own), own[0][1].sx * own[0][1].sy)
+        first = own[0][1]
+        spec = partition_spec(tuple((g.h // g.sy, g.w // g.sx) for _, g, _ in own), first.sx * first.sy)
         (partition,) = _append_inputs(graph, [spec])
         specs.append(spec)
-    offset = 0
-    for node, geometry in own:
-        metric = node.kwargs["metric"]
+    for k, (node, _, geometry) in enumerate(own):
+        metric, site = node.kwargs["metric"], node.meta["tome"]["site"]
         with graph.inserting_before(node):
             choice = None
             if partition is not None:
+                before = [g for _, _, g in own[:k]]
                 choice = graph.call_function(_sampler.block_cells, (), dict(
-                    partition=partition, offset=offset, cells=geometry.cells, metric=metric))
-                choice.meta["tome"] = {"site": node.meta["tome"]["site"], "role": "plan"}
+                    partition=partition, offset=size_value(graph, _plans.total_cells, before, site),
+                    cells=size_value(graph, _plans.total_cells, [geometry], site), metric=metric))
+                choice.meta["tome"] = {"site": site, "role": "plan"}
             either = graph.call_function(_plans.importance_or_tome_plan, (), dict(
                 metric=metric, has_map=has_map, importance=node.kwargs["importance"],
                 dst_key=node.kwargs["dst_key"], choice=choice, geometry=geometry))
         _replace(node, either)
-        offset += geometry.cells
     graph.lint()
     gm.recompile()
     return dataclasses.replace(result, inputs=specs,

@@ -23,7 +23,7 @@ from tome_compile.passes.context import PassContext, pass_context, plan_makers
 from tome_compile.passes.decide import BlockPlan, decide_all, select_blocks
 from tome_compile.passes.report import nothing_rewritten, site_report
 from tome_compile.passes.result import ToMeResult
-from tome_compile.passes.rewrite import BlockInputs, rewrite_block
+from tome_compile.passes.rewrite import BlockInputs, geometry_values, rewrite_block
 from tome_compile.passes.unet_io import UNetIO, find_unet_io
 from tome_compile.passes.validate import rewrite_checked
 from torch import fx
@@ -107,18 +107,19 @@ def _add_plan_inputs(gm: fx.GraphModule, context: PassContext, layout: _Layout
 
 def _rewrite_blocks(graph: fx.Graph, plans: list[BlockPlan], context: PassContext, layout: _Layout,
                     nodes: dict[str, fx.Node]) -> dict[int, tuple[fx.Node, fx.Node] | None]:
-    """Rewrite each block, reading its share of the drawn inputs (running offsets); returns the
-    plan nodes each block made (``None`` for a block that shares one)."""
-    cell_offset = key_offset = 0
+    """Rewrite each block, reading its share of the drawn inputs (after those of the earlier
+    blocks that make a plan); returns the plan nodes each block made (``None`` for a block that
+    shares one)."""
+    geometries = geometry_values(graph, plans, context.config)
     made: dict[int, tuple[fx.Node, fx.Node] | None] = {}
-    for i, (plan, (ch, cw), pool) in enumerate(zip(plans, layout.cells, layout.pools, strict=True)):
-        io = BlockInputs(method=context.method, partition=nodes.get("partition"), cell_offset=cell_offset,
-                         importance=nodes.get("importance"),
-                         dst_key=nodes.get("dst_key"), key_offset=key_offset, pool=pool)
+    for i, plan in enumerate(plans):
+        before = tuple(geometries[j] for j in layout.own if j < i)
+        io = BlockInputs(method=context.method, geometry=geometries[i], before=before,
+                         partition=nodes.get("partition"), importance=nodes.get("importance"),
+                         dst_key=nodes.get("dst_key"))
         maker = layout.makers[i]
         shared = made.get(maker) if maker != i else None
         made[i] = rewrite_block(graph, plan, context.config, io, shared=shared)
-        cell_offset, key_offset = cell_offset + ch * cw, key_offset + pool
     return made
 
 
@@ -139,6 +140,7 @@ def merge_self_attention(
     validate: bool = True,
     method: str | None = None,
     io: UNetIO | None = None,
+    any_size: bool = False,
 ) -> ToMeResult:
     """Rewrite every high-resolution self-attention of ``gm`` in place and report every site.
 
@@ -162,8 +164,8 @@ def merge_self_attention(
         returned, reused, or either per call) and the in-graph random draws are follow-up passes
         (:mod:`.follow_up`) that the caller composes after this one.
     """
-    io = io or find_unet_io(gm)
-    found = _sites.find_attention_sites(gm, io.spans)
+    io = io or find_unet_io(gm, any_size)
+    found = _sites.find_attention_sites(gm, io.spans, any_size)
     passes = list(io.passes)
     latent = latent_hw or io.latent  # the sample's (the pass whose output the graph returns)
     decisions = select_blocks(decide_all(gm, found, passes, config, latent_hw), found, config, passes)

@@ -12,33 +12,78 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from tome_compile.passes import sites as _sites
 from tome_compile.passes.decide import BlockPlan, Target
 from torch import fx
 
 from tome_compile import merge as _merge
+from tome_compile import plans as _plans
 from tome_compile import sampler as _sampler
 from tome_compile.config import ToMeConfig
 from tome_compile.plans import PlanGeometry
 
-__all__ = ["BlockInputs", "rewrite_block"]
+__all__ = ["BlockInputs", "geometry_values", "rewrite_block", "size_value", "static_geometry"]
+
+
+Size = Any  # an int, or a node computing it from the call's shapes (a PlanGeometry likewise)
 
 
 @dataclass(frozen=True)
 class BlockInputs:
-    """The graph inputs one block's plan reads, and where its slice of each starts.
+    """The graph inputs one block's plan reads, its sizes, and those of the earlier blocks that
+    draw (where its share of each drawn input starts).
 
-    ``method`` is "tome", "importance" or "oracle".
+    ``method`` is "tome", "importance" or "oracle"; ``geometry`` a
+    :class:`~tome_compile.plans.PlanGeometry` or the node that computes it per call
+    (:func:`geometry_values`); ``before`` the same for every earlier block that makes a plan.
     """
 
     method: str
+    geometry: Any = None
+    before: tuple[Any, ...] = ()
     partition: fx.Node | None = None
-    cell_offset: int = 0
     importance: fx.Node | None = None
     dst_key: fx.Node | None = None
-    key_offset: int = 0
-    pool: int = 0
+
+
+def static_geometry(plan: BlockPlan, config: ToMeConfig) -> PlanGeometry:
+    """The block's sizes as traced (the report's, the input specs')."""
+    return PlanGeometry(*plan.grid, config.sx, config.sy, plan.merged, config.pool_factor,
+                        config.dst_fraction, downsample=plan.downsample, ratio=config.ratio,
+                        importance=config.method == "importance")
+
+
+def geometry_values(graph: fx.Graph, plans: Sequence[BlockPlan], config: ToMeConfig) -> list[Any]:
+    """Each block's sizes as the graph uses them: a node that computes them from the call's first
+    convolution (:func:`tome_compile.plans.geometry_at`, right after it; one per distinct block
+    size), so that a graph with symbolic shapes (an export for every image size) merges every
+    size with tomesd's numbers; the traced constant where there is no such node or the rule does
+    not give the traced sizes back."""
+    made: dict[tuple[str, PlanGeometry], fx.Node] = {}
+    out: list[Any] = []
+    names = {n.name: n for n in graph.nodes}  # the plan's node may be of a copy of this graph
+    for plan in plans:
+        static = static_geometry(plan, config)
+        source = names.get(plan.source.name) if plan.source is not None else None
+        shape = _sites.node_shape(source) if source is not None else None
+        hints = [_sites.size_hint(d) for d in shape[-2:]] if shape is not None and len(shape) == 4 else None
+        if source is None or hints is None or None in hints or static.at(*hints) != static:
+            out.append(static._replace(downsample=0))
+            continue
+        key = (source.name, static)
+        if key not in made:
+            with graph.inserting_after(source):
+                made[key] = _tag(graph.call_function(_plans.geometry_at, (source, static)),
+                                 plan.site.path, "sizes")
+        out.append(made[key])
+    return out
+
+
+def size_value(graph: fx.Graph, fn: Any, values: Sequence[Any], path: str) -> Size:
+    """``fn(*values)``: computed now when every value is a constant, else a node (before the insert point)."""
+    if not any(isinstance(v, fx.Node) for v in values):
+        return fn(*values)
+    return _tag(graph.call_function(fn, tuple(values)), path, "plan")
 
 
 def _tag(node: fx.Node, site: str, role: str) -> fx.Node:
@@ -72,27 +117,26 @@ def _replace_literal_tokens(nodes: Sequence[fx.Node], n: int, n_after: int) -> i
     return changed
 
 
-def _plan(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: BlockInputs, geometry: PlanGeometry
-          ) -> fx.Node:
+def _plan(graph: fx.Graph, plan: BlockPlan, io: BlockInputs) -> fx.Node:
     """The plan node ``(slot, weight)`` of the block, right after the attention input."""
-    (h, w), r, path = plan.grid, plan.merged, plan.site.path
+    path, geometry = plan.site.path, io.geometry
 
     def call(fn: Any, **operands: Any) -> fx.Node:  # by name: the follow-up passes read them so
         return _tag(graph.call_function(fn, (), operands), path, "plan")
 
     choice = None
     if io.partition is not None:
-        choice = call(_sampler.block_cells, partition=io.partition, offset=io.cell_offset,
-                      cells=geometry.cells, metric=plan.metric)
+        choice = call(_sampler.block_cells, partition=io.partition,
+                      offset=size_value(graph, _plans.total_cells, io.before, path),
+                      cells=size_value(graph, _plans.total_cells, (geometry,), path), metric=plan.metric)
     if io.method != "importance":
-        return call(_merge.tome_plan, metric=plan.metric, choice=choice, h=h, w=w, sx=config.sx, sy=config.sy,
-                    r=r)
+        return call(_plans.make_plan, method="tome", metric=plan.metric, choice=choice, geometry=geometry)
     key = None
     if io.dst_key is not None:
-        key = _tag(graph.call_function(torch.narrow, (io.dst_key, 1, io.key_offset, io.pool)), path, "plan")
-    fitted = call(_merge.fit_importance, importance=io.importance, h=h, w=w)
-    return call(_merge.importance_plan, metric=plan.metric, importance=fitted, dst_key=key, h=h, w=w, r=r,
-                pool_factor=config.pool_factor, dst_fraction=config.dst_fraction)
+        key = call(_plans.block_keys, dst_key=io.dst_key, before=io.before, geometry=geometry)
+    fitted = call(_plans.fit_map, importance=io.importance, geometry=geometry)
+    return call(_plans.make_plan, method="importance", metric=plan.metric, choice=None, geometry=geometry,
+                importance=fitted, dst_key=key)
 
 
 def _merge_target(graph: fx.Graph, plan: BlockPlan, target: Target, after: fx.Node,
@@ -130,10 +174,8 @@ def rewrite_block(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: Bloc
     elif io.method != "oracle":
         # inserting_before(next) keeps creation order (inserting_after(n) would reverse it)
         with graph.inserting_before(plan.site.input.next):
-            geometry = PlanGeometry(*plan.grid, config.sx, config.sy, plan.merged, config.pool_factor,
-                                    config.dst_fraction)
-            node = _plan(graph, plan, config, io, geometry)
-            node.meta["tome"]["geometry"] = geometry  # what the follow-up passes read
+            node = _plan(graph, plan, io)
+            node.meta["tome"]["geometry"] = static_geometry(plan, config)  # the traced sizes (specs, report)
             slot = _tag(graph.call_function(operator.getitem, (node, 0)), plan.site.path, "plan")
             weight = _tag(graph.call_function(operator.getitem, (node, 1)), plan.site.path, "plan")
         # and which getitems are this block's own plan (a block that shares one has none)

@@ -36,6 +36,7 @@ __all__ = [
     "pass_starts",
     "region_exits",
     "region_nodes",
+    "size_hint",
     "temporal_reason",
 ]
 
@@ -88,6 +89,19 @@ def node_shape(node: Any) -> tuple[Any, ...] | None:
 
 def _static(shape: tuple[Any, ...] | None) -> bool:
     return shape is not None and all(isinstance(d, int) for d in shape)
+
+
+def size_hint(size: Any) -> int | None:
+    """An int size as it is; a symbolic one (an export for every image size) as its traced value."""
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    return int(hint) if hint is not None else None
+
+
+def _sized(shape: tuple[Any, ...] | None, any_size: bool) -> bool:
+    """Sizes the pass can decide on: ints, or (``any_size``) symbolic sizes with a traced value."""
+    return _static(shape) or (any_size and shape is not None and all(size_hint(d) is not None for d in shape))
 
 
 _DYNAMO_PREFIX = re.compile(r"^L\['self'\]\.?")
@@ -234,11 +248,12 @@ def _reference_of(kv: fx.Node, source: fx.Node) -> fx.Node | None:
     return reference
 
 
-def find_attention_sites(gm: fx.GraphModule, spans: Sequence[tuple[int, int]] | None = None
-                         ) -> list[AttentionSite]:
+def find_attention_sites(gm: fx.GraphModule, spans: Sequence[tuple[int, int]] | None = None,
+                         any_size: bool = False) -> list[AttentionSite]:
     """Every attention op of ``gm`` in execution order, classified, with its region (within its
     U-Net pass, for a graph that runs the U-Net more than once). ``spans``: the passes' graph
-    positions (``UNetIO.spans``), found here when not given."""
+    positions (``UNetIO.spans``), found here when not given. ``any_size``: symbolic token counts
+    (an export for every image size) are read at their traced values."""
     sites: list[AttentionSite] = []
     spans = list(spans) if spans else pass_spans(gm)
     for position, node in enumerate(gm.graph.nodes):
@@ -262,7 +277,8 @@ def find_attention_sites(gm: fx.GraphModule, spans: Sequence[tuple[int, int]] | 
         nodes = region_nodes(gm.graph, path, span) if path else []
         exits = region_exits(nodes)
         shape = node_shape(source)
-        tokens = shape[1] if shape is not None and len(shape) == 3 else None
+        tokens = size_hint(shape[1]) if shape is not None and len(shape) == 3 and any_size else (
+            shape[1] if shape is not None and len(shape) == 3 else None)
         ref_shape = node_shape(reference) if reference is not None else None
         site = AttentionSite(
             path=path,
@@ -284,7 +300,7 @@ def find_attention_sites(gm: fx.GraphModule, spans: Sequence[tuple[int, int]] | 
             site.problem = f"module region has {len(exits)} outputs, expected 1"
         elif shape is None or len(shape) != 3:
             site.problem = f"attention input has shape {shape}, expected [B, N, C]"
-        elif not _static(shape[1:]):  # a symbolic batch is fine: the plan is per batch row
+        elif not _sized(shape[1:], any_size):  # a symbolic batch is fine: the plan is per batch row
             site.problem = f"symbolic token count {shape[1]}"
         sites.append(site)
     return sites

@@ -11,7 +11,7 @@ are of the graph as found, before any rewrite.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from tome_compile.passes.sites import (
     node_shape,
     pass_spans,
     pass_starts,
+    size_hint,
 )
 from torch import fx
 
@@ -39,6 +40,9 @@ class UNetPass:
     latent: tuple[int, int] | None
     grid: tuple[int, int] | None
     rows: int | None
+    # the first convolution (its output's last two axes: ``grid``, symbolic in an export for every
+    # image size): what the rewritten graph computes each block's sizes from
+    conv: fx.Node | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,7 @@ def _timestep_source(gm: fx.GraphModule, sample: fx.Node | None) -> tuple[fx.Nod
     return None, None
 
 
-def find_unet_io(gm: fx.GraphModule) -> UNetIO:
+def find_unet_io(gm: fx.GraphModule, any_size: bool = False) -> UNetIO:
     """Positions of the sample and timestep inputs and of the noise output, found by structure:
     the sample feeds the first convolution, the timestep the sinusoidal time embedding, and the
     output is the first graph output with the sample's batch and spatial size. Also the U-Net
@@ -167,7 +171,7 @@ def find_unet_io(gm: fx.GraphModule) -> UNetIO:
                   timestep_constant=constant, output_index=output_index,
                   channel_axis=_channel_axis(gm, flat[output_index]) if flat else 1,
                   noise_channels=_noise_channels(want, node_shape(flat[output_index]) if flat else None),
-                  passes=tuple(_unet_pass(conv) for conv in starts or [None]),
+                  passes=tuple(_unet_pass(conv, any_size) for conv in starts or [None]),
                   spans=tuple(pass_spans(gm, starts)),
                   sample_batch=_batch(node_shape(sample) if sample is not None else None))
 
@@ -180,15 +184,23 @@ def _noise_channels(sample: tuple[Any, ...] | None, out: tuple[Any, ...] | None)
     return int(sample[1]) if isinstance(sample[1], int) and out[1] == 2 * sample[1] else None
 
 
-def _unet_pass(conv: fx.Node | None) -> UNetPass:
+def _unet_pass(conv: fx.Node | None, any_size: bool = False) -> UNetPass:
     shape = node_shape(conv.args[0]) if conv is not None else None
     grid = node_shape(conv) if conv is not None else None
     four = shape is not None and len(shape) == 4
     four_grid = grid is not None and len(grid) == 4
+
+    def hw(s: tuple[Any, ...]) -> tuple[int, int] | None:
+        if _static(s[2:]):
+            return int(s[2]), int(s[3])
+        hints = size_hint(s[2]), size_hint(s[3])
+        return (hints[0], hints[1]) if any_size and hints[0] is not None and hints[1] is not None else None
+
     return UNetPass(
-        latent=(int(shape[2]), int(shape[3])) if four and _static(shape[2:]) else None,
-        grid=(int(grid[2]), int(grid[3])) if four_grid and _static(grid[2:]) else None,
+        latent=hw(shape) if four else None,
+        grid=hw(grid) if four_grid else None,
         rows=int(shape[0]) if four and isinstance(shape[0], int) else None,
+        conv=conv if four_grid else None,
     )
 
 

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 from tome_compile.passes.decide import BlockPlan
+from tome_compile.passes.sites import size_hint
 from torch import fx
 
 from tome_compile.errors import ToMeRewriteError
@@ -58,10 +59,14 @@ def check_shapes(gm: fx.GraphModule) -> str | None:
             if spec is not None:
                 args.append(spec.zeros())
             elif isinstance(value, torch.Tensor):
-                if not all(isinstance(d, int) for d in value.shape):
-                    return None  # symbolic shapes: nothing static to check against
-                args.append(torch.empty_strided(tuple(value.shape), tuple(value.stride()),
-                                                dtype=value.dtype, device=value.device))
+                shape = [size_hint(d) for d in value.shape]
+                if any(d is None for d in shape):
+                    return None  # symbolic shapes without traced values: nothing to check against
+                if all(isinstance(d, int) for d in value.shape):
+                    args.append(torch.empty_strided(tuple(value.shape), tuple(value.stride()),
+                                                    dtype=value.dtype, device=value.device))
+                else:  # an export for every image size: checked at the traced size
+                    args.append(torch.empty(shape, dtype=value.dtype, device=value.device))
             elif isinstance(value, (torch.SymInt, torch.SymFloat)):
                 args.append(value.node.hint if value.node.hint is not None else 1)
             else:
@@ -86,7 +91,8 @@ def _remap(plan: BlockPlan, graph: fx.Graph) -> BlockPlan:
                                nodes=[node(n) for n in plan.site.nodes])
     targets = tuple(dataclasses.replace(t, input=node(t.input), output=node(t.output),
                                         region=tuple(node(n) for n in t.region)) for t in plan.targets)
-    return dataclasses.replace(plan, site=site, metric=node(plan.metric), targets=targets)
+    return dataclasses.replace(plan, site=site, metric=node(plan.metric), targets=targets,
+                               source=node(plan.source) if plan.source is not None else None)
 
 
 def rewrite_checked(gm: fx.GraphModule, plans: list[BlockPlan], rewrite: RewriteFn, validate: bool = True

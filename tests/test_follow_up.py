@@ -23,13 +23,20 @@ from tome_compile.merge import (
     oracle_merge,
     tome_plan,
 )
-from tome_compile.plans import importance_or_tome_plan, pack_plans, unpack_plan
+from tome_compile.plans import fit_map, importance_or_tome_plan, make_plan, pack_plans, unpack_plan
 from tome_compile.sampler import block_cells, hashed_block_cells, hashed_partition
 
 CONFIG = ToMeConfig(ratio=0.5, max_downsample=2)
 
 
 def calls(gm, fn):
+    """Calls of ``fn``; a plan function (tome_plan, importance_plan) counts the rewrite's
+    ``make_plan`` nodes of that method."""
+    fn = fit_map if fn is fit_importance else fn  # the rewrite fits the map to the block's sizes
+    method = {tome_plan: "tome", importance_plan: "importance"}.get(fn)
+    if method is not None:
+        return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is make_plan
+                and n.kwargs.get("method") == method]
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is fn]
 
 

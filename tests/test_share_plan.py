@@ -15,10 +15,13 @@ from tome_compile import ToMeConfig, generation, merge_self_attention, tome_back
 from tome_compile.errors import ToMeConfigError, ToMeRewriteError
 from tome_compile.merge import tome_plan
 from tome_compile.models import build_unet
-from tome_compile.plans import importance_or_tome_plan
+from tome_compile.plans import importance_or_tome_plan, make_plan
 
 
 def plan_nodes(gm, fn=tome_plan):
+    if fn is tome_plan:  # the rewrite's ToMe plans: make_plan(method="tome")
+        return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is make_plan
+                and n.kwargs.get("method") == "tome"]
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is fn]
 
 

@@ -20,10 +20,15 @@ The segment mean is a ``scatter_add`` of values and a multiply by precomputed ``
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 __all__ = [
     "best_matches",
+    "floor_mul",
     "destination_partition",
     "fit_importance",
     "gather_rows",
@@ -41,6 +46,14 @@ __all__ = [
     "tome_plan",
     "unmerge_tokens",
 ]
+
+
+def floor_mul(n: Any, factor: float) -> Any:
+    """``int(n * factor)`` (tomesd's ``int(N * ratio)``, in float64 as Python computes it) for an int
+    or a symbolic size (an exported graph's: ``floor(float(n) * factor)``, the same number)."""
+    if isinstance(n, int):
+        return int(n * factor)
+    return math.floor(torch.sym_float(n) * factor)
 
 
 def partition_cells(h: int, w: int, sx: int, sy: int) -> int:
@@ -173,12 +186,38 @@ def best_matches(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
     :func:`match_rows` sources (a static, unrolled loop: a handful of blocks per rewritten block).
     ``a``: ``[B, Ns, C]``, ``b``: ``[B, Nd, C]`` -> ``(score [B, Ns], index [B, Ns])``."""
     ns, nd, c = a.shape[1], b.shape[1], a.shape[2]
-    rows = match_rows(ns, nd, c)
     bt = b.transpose(-1, -2)
+    if not isinstance(ns, int) or not isinstance(nd, int):
+        return _best_matches_symbolic(a, bt)
+    rows = match_rows(ns, nd, c)
     if rows >= ns:
         return row_max(a @ bt)
     blocks = [row_max(a.narrow(1, start, min(rows, ns - start)) @ bt) for start in range(0, ns, rows)]
     return torch.cat([v for v, _ in blocks], dim=1), torch.cat([i for _, i in blocks], dim=1)
+
+
+def _hint(size: Any) -> int:
+    """The traced value of a (possibly symbolic) size."""
+    if isinstance(size, int):
+        return size
+    hint = size.node.hint
+    return int(hint) if hint is not None else 1
+
+
+def _best_matches_symbolic(a: torch.Tensor, bt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`best_matches` where the sizes are symbolic (an export for every image size): as many
+    blocks as at the traced size, each ``ceil(Ns / blocks)`` sources (the sources padded with zero
+    rows to a whole number of blocks, the padding's scores dropped) — the same numbers, no
+    size-dependent loop, no data-dependent shape."""
+    ns = a.shape[1]
+    count = -(-_hint(ns) // match_rows(_hint(ns), _hint(bt.shape[2]), _hint(a.shape[2])))
+    if count <= 1:
+        return row_max(a @ bt)
+    rows = (ns + count - 1) // count
+    padded = torch.nn.functional.pad(a, (0, 0, 0, rows * count - ns))
+    blocks = [row_max(padded.narrow(1, k * rows, rows) @ bt) for k in range(count)]
+    value = torch.cat([v for v, _ in blocks], dim=1).narrow(1, 0, ns)
+    return value, torch.cat([i for _, i in blocks], dim=1).narrow(1, 0, ns)
 
 
 def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,7 +247,7 @@ def tome_plan(
     b, n, _ = metric.shape
     with torch.no_grad():
         dst_idx, src_idx = destination_partition(choice, h, w, sx, sy, metric.device)
-        r = min(r, src_idx.shape[0])
+        r = torch.sym_min(r, src_idx.shape[0])
         score, best = _cosine_matches(metric, src_idx, dst_idx)
         edge_order = tie_free_order(score)
         return _plan_from_matches(src_idx, dst_idx, edge_order, best, r, n, metric.dtype)
@@ -225,7 +264,7 @@ def importance_partition(
     """
     p = importance.shape[0]
     m = importance_pool_size(n, r, pool_factor, dst_fraction)
-    nd = int(n * dst_fraction)
+    nd = floor_mul(n, dst_fraction)
     device = importance.device
     imp = importance.reshape(p, n).to(torch.float32)
     # Unique keys: importance rank, ties by token index (every backend picks the same pool).
@@ -277,7 +316,7 @@ def importance_plan(
         dst_idx, src_idx, unimportant = importance_partition(importance, dst_key, n, r, pool_factor,
                                                              dst_fraction)
         ns = src_idx.shape[1]
-        r = min(r, ns)
+        r = torch.sym_min(r, ns)
         # Every row of an image (both halves of a CFG pair, the three chunks of a three-way
         # guidance batch) shares its partition; each row matches on its own metric (official code).
         groups = b // importance.shape[0]
@@ -293,14 +332,23 @@ def importance_plan(
 
 def fit_importance(importance: torch.Tensor, h: int, w: int) -> torch.Tensor:
     """``[P, H, W] -> [P, h, w]``: area interpolation down to a block's grid (as the official code)."""
-    if tuple(importance.shape[-2:]) == (h, w):
+    big_h, big_w = importance.shape[-2:]
+    if statically_known_true(big_h == h) and statically_known_true(big_w == w):
         return importance
-    return torch.nn.functional.interpolate(importance.unsqueeze(1).float(), size=(h, w), mode="area")[:, 0]
+    if all(isinstance(d, int) for d in (big_h, big_w, h, w)):
+        return torch.nn.functional.interpolate(importance.unsqueeze(1).float(), size=(h, w),
+                                               mode="area")[:, 0]
+    # symbolic sizes (an export for every image size): an area interpolation by a whole factor is
+    # an average pool with a static window, which ONNX has (an adaptive pool to a symbolic size is not)
+    factor = _hint(big_h) // max(_hint(h), 1)
+    torch._check(big_h == h * factor)
+    torch._check(big_w == w * factor)
+    return torch.nn.functional.avg_pool2d(importance.unsqueeze(1).float(), factor)[:, 0]
 
 
 def importance_pool_size(n: int, r: int, pool_factor: float, dst_fraction: float) -> int:
     """``M = min(int((N - r) * pool_factor), N)``, at least the number of destinations."""
-    return min(max(int((n - r) * pool_factor), int(n * dst_fraction)), n)
+    return torch.sym_min(torch.sym_max(floor_mul(n - r, pool_factor), floor_mul(n, dst_fraction)), n)
 
 
 def merge_tokens(x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -328,7 +376,7 @@ def merge_tokens_by_heads(x: torch.Tensor, slot: torch.Tensor, weight: torch.Ten
     plain ``scatter_add`` (parallel) is the faster one."""
     b, n, c = x.shape
     m = weight.shape[1]
-    if m == n:
+    if statically_known_true(m == n):
         return x * weight.to(x.dtype)
     # read off this merge's plan, not shape-only (see _plan_from_matches): slot * 0 is exactly 0
     tokens = torch.arange(n, device=x.device) + slot * 0

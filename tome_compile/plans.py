@@ -18,17 +18,40 @@ from tome_compile import merge as _merge
 __all__ = [
     "PlanGeometry",
     "PlanSlice",
+    "block_keys",
+    "fit_map",
+    "geometry_at",
     "importance_or_tome_plan",
     "make_plan",
+    "merge_count",
     "pack_plans",
     "plan_or_reuse",
+    "plan_slice",
+    "total_cells",
+    "total_pool",
     "unpack_plan",
 ]
 
 
+def merge_count(n: Any, cells: Any, ratio: float, importance: bool, dst_fraction: float) -> Any:
+    """tomesd's ``r = int(N * ratio)``, capped at the sources (``N - cells``) and, for importance
+    merging, so that both its plan and its ToMe fallback merge the same count. An int, or a
+    symbolic size in an export for every image size (the same number at every size)."""
+    r = torch.sym_min(_merge.floor_mul(n, ratio), n - cells)
+    if importance:
+        r = torch.sym_min(r, n - _merge.floor_mul(n, dst_fraction))
+    return r
+
+
 class PlanGeometry(NamedTuple):
-    """The static sizes of one block's plan: its ``h × w`` token grid, tomesd's ``sx × sy``
-    destination stride, ``r`` tokens merged away, and importance merging's pool settings."""
+    """The sizes of one block's plan: its ``h × w`` token grid, tomesd's ``sx × sy`` destination
+    stride, ``r`` tokens merged away, and importance merging's pool settings; and how they follow
+    the latent's size (:meth:`at`): the grid is the latent's divided by ``downsample`` (rounded up,
+    as diffusers' strided convolutions and tomesd compute it), ``r`` by :func:`merge_count`.
+
+    The pass records the traced sizes; the rewritten graph computes the sizes of each call from
+    its ``sample`` (:func:`geometry_at`), so one graph serves every size where the shapes are
+    symbolic (an export for every image size) and holds the traced numbers where they are not."""
 
     h: int
     w: int
@@ -37,6 +60,19 @@ class PlanGeometry(NamedTuple):
     r: int
     pool_factor: float
     dst_fraction: float
+    downsample: int = 0  # 0: the sizes are fixed (no latent to follow)
+    ratio: float = 0.0
+    importance: bool = False  # r capped for importance merging (merge_count)
+
+    def at(self, height: Any, width: Any) -> PlanGeometry:
+        """The geometry of this block for an ``height × width`` latent (ints or symbolic sizes)."""
+        if not self.downsample:
+            return self
+        d = self.downsample
+        h, w = (height + d - 1) // d, (width + d - 1) // d
+        r = merge_count(h * w, _merge.partition_cells(h, w, self.sx, self.sy), self.ratio, self.importance,
+                        self.dst_fraction)
+        return self._replace(h=h, w=w, r=r)
 
     @property
     def tokens(self) -> int:
@@ -55,7 +91,43 @@ class PlanGeometry(NamedTuple):
     @property
     def tome_r(self) -> int:
         """``r`` capped at ToMe's sources (importance merging's ``r`` may exceed them)."""
-        return min(self.r, self.tokens - self.cells)
+        return torch.sym_min(self.r, self.tokens - self.cells)
+
+
+def geometry_at(sample: torch.Tensor, geometry: PlanGeometry) -> PlanGeometry:
+    """``geometry`` at the size of this call's latent (``sample``'s last two axes)."""
+    return geometry.at(sample.shape[-2], sample.shape[-1])
+
+
+def total_cells(*geometries: PlanGeometry) -> Any:
+    """Destination cells of these blocks together: a drawn partition's length, or a block's offset in it."""
+    return sum((g.cells for g in geometries), 0)
+
+
+def total_pool(*geometries: PlanGeometry) -> Any:
+    """Importance pools of these blocks together: the destination keys' length, or an offset in them."""
+    return sum((_merge.importance_pool_size(g.tokens, g.r, g.pool_factor, g.dst_fraction)
+                for g in geometries), 0)
+
+
+def block_keys(dst_key: torch.Tensor, before: tuple[PlanGeometry, ...], geometry: PlanGeometry
+               ) -> torch.Tensor:
+    """One block's share of the destination keys ``[P, total]``: after the pools of ``before``."""
+    return torch.narrow(dst_key, 1, total_pool(*before), total_pool(geometry))
+
+
+def fit_map(importance: torch.Tensor, geometry: PlanGeometry) -> torch.Tensor:
+    """The importance map fitted to the block's grid (:func:`tome_compile.merge.fit_importance`)."""
+    return _merge.fit_importance(importance, geometry.h, geometry.w)
+
+
+def plan_slice(index: int, *geometries: PlanGeometry) -> PlanSlice:
+    """Where plan ``index`` of these blocks (in the order :func:`pack_plans` packs them) sits."""
+    before = geometries[:index]
+    return PlanSlice(slot_offset=sum((g.tokens for g in before), 0),
+                     weight_offset=sum((g.kept for g in before), 0),
+                     slot_total=sum((g.tokens for g in geometries), 0),
+                     weight_total=sum((g.kept for g in geometries), 0))
 
 
 class PlanSlice(NamedTuple):
