@@ -47,8 +47,9 @@ def convert_to_onnx(gm: fx.GraphModule, example: tuple[torch.Tensor, ...], input
     chatter = io.StringIO()
     try:
         with contextlib.redirect_stderr(chatter):
+            captured = _captured(gm, example, dynamic_shapes)
             program = torch.onnx.export(
-                gm, example, dynamo=True, opset_version=opset, input_names=input_names,
+                captured, example, dynamo=True, opset_version=opset, input_names=input_names,
                 output_names=output_names, dynamic_shapes=dynamic_shapes, external_data=True, verbose=False,
                 custom_translation_table=None if portable else attention_translation_table())
     except Exception as e:
@@ -63,6 +64,22 @@ def convert_to_onnx(gm: fx.GraphModule, example: tuple[torch.Tensor, ...], input
     if written != opset:
         raise ToMeExportError(f"the exporter wrote opset {written}, not the requested {opset}")
     return program
+
+
+def _captured(gm: fx.GraphModule, example: tuple[torch.Tensor, ...], dynamic_shapes: tuple[Any, ...] | None
+              ) -> Any:
+    """``torch.export`` of the rewritten graph with its dynamic axes, handed to the ONNX exporter as
+    a program: the exporter's own capture strategies guard on the symbolic sizes of an export for
+    every image size (data-dependent errors in the first, whatever the others make of them). Where
+    this capture fails (importance's ``torch.cond`` with a fixed size), the graph itself goes to
+    the exporter, which tries its strategies."""
+    try:
+        with torch.no_grad():
+            return torch.export.export(gm, example, dynamic_shapes=dynamic_shapes)
+    except Exception as e:  # noqa: BLE001 - the exporter's strategies get their turn
+        logger.debug("torch.export of the rewritten graph failed (%s: %s); the exporter captures it",
+                     type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+        return gm
 
 
 def forget_rewriter_matches() -> None:

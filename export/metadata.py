@@ -48,6 +48,11 @@ class ExportMetadata:
     unet_config: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"
     multiview: dict[str, Any] | None = None
+    # an export for every image size: symbolic batch (when ``batch`` says so), latent height and
+    # width (each a multiple of ``latent_multiple``) and text length; ``height`` / ``width`` /
+    # ``seq_len`` are then the traced example. False: those are the only size the file takes.
+    any_size: bool = False
+    latent_multiple: int = 1
     # graph fixes after conversion (convert.postprocess)
     fp32_scatters: int = 0
     int32_scatter_indices: int = 0

@@ -9,8 +9,12 @@ axis is dynamic. Every attention is a ``com.microsoft.MultiHeadAttention`` (``po
 plain ops). With ``use_rand`` the destinations are hashed in the graph from the timestep and an
 optional ``tome_seed`` input (default 0) — no Random* op, no input a standard client lacks;
 ``partition_input=True`` takes them as a ``tome_partition`` input instead (drawn by
-``ToMeSession`` from a seeded generator: bit-exact with ``tome_backend(seed=)``). Image size and
-text length are fixed per export. What the session helper needs (the input specs, the config) is
+``ToMeSession`` from a seeded generator: bit-exact with ``tome_backend(seed=)``). An image U-Net's
+file takes any image size and text length, as Optimum's (``sample`` with symbolic batch, height and
+width, ``encoder_hidden_states`` with symbolic batch and length): the graph computes every merge's
+sizes from the call's shapes; ``static=True`` (and the forms whose extra inputs are sized per
+export: ``partition_input``, ``plan_every``; video, DiT and multi-view U-Nets) fixes them.
+What the session helper needs (the input specs, the config) is
 stored in the model's ``metadata_props["tome_compile"]``.
 """
 
@@ -41,7 +45,9 @@ from tome_compile.export.tracing import (
     attention_count,
     drop_dead_code,
     drop_noop_squeezes,
+    dynamic_axes,
     promote_mixed_concats,
+    size_axes,
     trace_unet,
 )
 from tome_compile.passes import ToMeResult, find_unet_io, merge_self_attention
@@ -51,7 +57,7 @@ from torch import fx
 
 from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeExportError
-from tome_compile.families import ModelFamily, family_of
+from tome_compile.families import ModelFamily, family_of, latent_multiple
 from tome_compile.models import example_inputs
 
 __all__ = [
@@ -92,15 +98,21 @@ class ExportResult:
 
 
 def _dynamic_shapes(run: _Run) -> tuple[Any, ...] | None:
-    """The batch axis of each graph input: the U-Net's per-image inputs, and the ToMe inputs whose
-    spec has one (plan_every's fed-back plans)."""
-    if not run.dynamic:
+    """The dynamic axes of each graph input: the batch of the U-Net's per-image inputs and of the
+    ToMe inputs whose spec has one (plan_every's fed-back plans); in an export for every size also
+    the latent's height and width (the sample's, the importance map's) and the text length."""
+    if not run.dynamic and not run.sizes:
         return None
     assert run.result is not None
-    batch = torch.export.Dim.DYNAMIC
-    axes = {name: 0 for name in run.family.per_image}
-    axes.update({spec.name: spec.batch_axis for spec in run.result.inputs if spec.batch_axis is not None})
-    return tuple({axes[name]: batch} if name in axes else None for name in run.input_names)
+    batch = torch.export.Dim.DYNAMIC if run.dynamic else None
+    axes = {name: dynamic_axes(name, batch if name in run.family.per_image else None, run.sizes)
+            for name in run.family.names}
+    for spec in run.result.inputs:
+        has_batch = batch is not None and spec.batch_axis is not None
+        axes[spec.name] = {spec.batch_axis: batch} if has_batch else {}
+        if spec.draw == "importance" and run.sizes:  # the map [P, H, W]: the latent's height and width
+            axes[spec.name].update({1: run.sizes["height"], 2: run.sizes["width"]})
+    return tuple(axes.get(name) or None for name in run.input_names)
 
 
 @dataclass(frozen=True)
@@ -124,6 +136,11 @@ class ExportOptions:
             the fusions of ORT's Stable Diffusion pipeline for that provider) and check parity again
             (on CUDA only where a CUDA EP is present: its fused ops have no CPU kernel).
         atol: parity tolerance, relative to ``max(1, max |output|)`` (default 1e-3 fp32, 5e-2 fp16).
+        static: fix the image size and text length at ``height``, ``width``, ``seq_len`` (CUDA
+            graphs, TensorRT profiles). Default: an image U-Net's file takes any size whose latent
+            is a multiple of the U-Net's downsampling (8 for SD 1.5 / 2.1 / SDXL) and any text
+            length; ``height`` / ``width`` / ``seq_len`` are then the traced example (and parity is
+            checked there and at one other size).
     """
 
     batch: int = 2
@@ -144,6 +161,7 @@ class ExportOptions:
     optimize: str | None = None
     frames: int | None = None
     release_weights: bool = False
+    static: bool = False
 
     def stages(self) -> list[str]:
         """The export's stages in order (the CLI's progress bar counts them)."""
@@ -178,6 +196,8 @@ class _Run:
     family: ModelFamily  # its inputs' names, batch axes, layout
     dynamic: bool
     traced: int
+    sizes: dict[str, Any] | None = None  # symbolic height / width / text axes (tracing.size_axes)
+    multiple: int = 1  # what the latent's height and width must be a multiple of
     gm: fx.GraphModule | None = None
     io: Any = None  # passes.UNetIO
     dead_attentions: int = 0
@@ -261,18 +281,40 @@ def _prepare(unet: torch.nn.Module, out: Path, config: ToMeConfig, o: ExportOpti
     # blocks need one per image ([B], as PixArtAlphaPipeline sends it).
     inputs.timestep = (inputs.timestep.to(torch.float32) if family.dit
                        else torch.tensor([float(inputs.timestep)], dtype=torch.float32))
+    multiple = latent_multiple(unet)
+    sizes = None
+    if _any_size(family, config, o):
+        latent = tuple(inputs.sample.shape[-2:])
+        if latent[0] % multiple or latent[1] % multiple:
+            raise ToMeExportError(f"height={o.height}, width={o.width}: the traced latent "
+                                  f"{latent[0]}x{latent[1]} must be a multiple of {multiple} (the U-Net's "
+                                  "downsampling) on each side")
+        sizes = size_axes(multiple)
     return _Run(unet=unet, out=out, config=config, options=o, inputs=inputs, family=family, dynamic=dynamic,
-                traced=traced)
+                traced=traced, sizes=sizes, multiple=multiple)
+
+
+def _any_size(family: ModelFamily, config: ToMeConfig, o: ExportOptions) -> bool:
+    """Whether this export takes every image size: an image U-Net's, unless asked for a fixed size or
+    its extra inputs are sized per export (a drawn partition; plan_every's plan state)."""
+    if o.static or not family.any_size:
+        return False
+    if o.partition_input or config.reuses_plans:
+        logger.warning("the %s export keeps its traced image size and text length (its extra inputs "
+                       "are sized per export); export again for another size",
+                       "--partition-input" if o.partition_input else "--plan-every")
+        return False
+    return True
 
 
 def _stage_trace(run: _Run) -> None:
-    run.gm = trace_unet(run.unet, run.args, run.family, run.dynamic)
+    run.gm = trace_unet(run.unet, run.args, run.family, run.dynamic, run.sizes)
     drop_noop_squeezes(run.gm)
     promote_mixed_concats(run.gm)
     run.dead_attentions = drop_dead_code(run.gm)
     # found once: the pass reads the passes and the timestep; the metadata the noise output's
     # channel axis and noise channels (the importance map reads them)
-    run.io = find_unet_io(run.gm)
+    run.io = find_unet_io(run.gm, any_size=run.sizes is not None)
 
 
 def _stage_rewrite(run: _Run) -> None:
@@ -282,7 +324,8 @@ def _stage_rewrite(run: _Run) -> None:
     # merges that scatter the r merged tokens only (ONNX Runtime's ScatterElements is one thread)
     o, gm = run.options, run.gm
     assert gm is not None
-    result = fallback_plans(gm, merge_self_attention(gm, run.config, oracle=o.oracle, io=run.io))
+    result = fallback_plans(gm, merge_self_attention(gm, run.config, oracle=o.oracle, io=run.io,
+                                                     any_size=run.sizes is not None))
     if run.config.reuses_plans:
         result = either_plans(gm, result)
     if not o.partition_input:
@@ -349,6 +392,8 @@ def _metadata(run: _Run) -> ExportMetadata:
         unet_config={k: v for k, v in dict(run.unet.config).items() if not k.startswith("_")},
         dtype="float16" if o.fp16 else "float32",
         multiview=multiview,
+        any_size=run.sizes is not None,
+        latent_multiple=run.multiple,
     )
 
 
@@ -367,11 +412,32 @@ def _stage_parity(run: _Run) -> None:
     assert run.result is not None and run.gm is not None and run.model is not None
     run.checks = parity.parity_checks(run.result, run.gm, run.args, run.extra, run.family, run.options.seed,
                                       run.traced if run.dynamic else None)
+    if run.sizes is not None:
+        run.checks.append(_other_size_check(run))
     run.references = parity.references(run.gm, run.checks)  # before the session loads: release_weights
     if run.options.release_weights:
         _release_weights(run.unet, run.gm)
     _compare(run, run.model)
     gc.collect()
+
+
+def _other_size_check(run: _Run) -> parity.ParityCheck:
+    """The call at another size from the same file: the traced latent two multiples taller, a
+    shorter text, batch 1 where the batch is dynamic."""
+    o = run.options
+    scale = o.height // int(run.inputs.sample.shape[-2])  # pixels per latent row (the VAE's 8)
+    height = o.height + 2 * run.multiple * scale
+    seq_len = max(1, o.seq_len - 7)
+    batch = 1 if run.dynamic else run.traced
+    inputs = example_inputs(run.unet, batch=batch, height=height, width=o.width, seq_len=seq_len,
+                            seed=o.seed + 1, dtype=run.inputs.sample.dtype)
+    inputs.timestep = torch.tensor([float(inputs.timestep)], dtype=torch.float32)
+    assert run.result is not None
+    latent = tuple(int(d) for d in inputs.sample.shape[-2:])
+    specs = [spec.at_latent(*latent) for spec in run.result.inputs]
+    extra = parity.example_tome_inputs(dataclasses.replace(run.result, inputs=specs), o.seed)
+    return parity.ParityCheck(f"{height}x{o.width}, text {seq_len}, batch {batch}", tuple(inputs.args()),
+                              tuple(extra))
 
 
 def _stage_optimize(run: _Run) -> None:

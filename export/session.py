@@ -212,9 +212,18 @@ class ToMeSession:
         if len(want) != len(shape) or any(
             isinstance(d, int) and d != got for d, got in zip(want, shape, strict=True)
         ):
-            raise ToMeExportError(f"{name} has shape {shape}, this export takes {tuple(want)} "
-                                  "(the image size and text length are fixed per export, and the batch "
-                                  "of importance exports; export again for another)")
+            fixed = ("the batch of importance exports is fixed; export again for another"
+                     if self.meta.any_size else "the image size and text length are fixed per export "
+                     "(--static, and the --partition-input / --plan-every / video / DiT / multi-view "
+                     "forms), and the batch of importance exports; export again for another")
+            raise ToMeExportError(f"{name} has shape {shape}, this export takes {tuple(want)} ({fixed})")
+        multiple = int(self.meta.latent_multiple or 1)
+        if name == "sample" and self.meta.any_size and len(shape) == 4 \
+                and (shape[2] % multiple or shape[3] % multiple):
+            raise ToMeExportError(
+                f"sample has a {shape[2]}x{shape[3]} latent; this export takes latents whose height and "
+                f"width are multiples of {multiple} (the U-Net's downsampling: images in multiples of "
+                f"{8 * multiple} pixels); pick the nearest such size")
 
     def _run(self, feed: dict[str, np.ndarray | torch.Tensor], device: torch.device
              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -361,8 +370,11 @@ class ToMeSession:
         shape = tuple(feed["sample"].shape)
         call = self.driver.begin(None, shape, timestep, layout=self.guidance, keeps_plans=self._keeps_plans,
                                  random=random_destinations(True, shape[0]))
-        values = self.driver.inputs(call, self.specs, "cpu")
-        feed.update({spec.name: value.numpy() for spec, value in zip(self.specs, values, strict=True)
+        specs = self.specs
+        if self.meta.any_size:  # the importance map follows the call's latent
+            specs = [spec.at_latent(int(shape[-2]), int(shape[-1])) for spec in specs]
+        values = self.driver.inputs(call, specs, "cpu")
+        feed.update({spec.name: value.numpy() for spec, value in zip(specs, values, strict=True)
                      if call.plans is not None or spec.draw not in ("plan_slot", "plan_weight", "reuse")})
         device = sample.device if isinstance(sample, torch.Tensor) else torch.device("cpu")
         result, extras = self._run(feed, device)

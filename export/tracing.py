@@ -15,7 +15,8 @@ from tome_compile.errors import ToMeExportError
 from tome_compile.families import ModelFamily, nested
 
 __all__ = ["assert_no_scatter_mean", "attention_count", "drop_dead_code", "drop_noop_squeezes",
-           "plain_graph_module", "promote_mixed_concats", "sdpa_nodes", "trace_unet"]
+           "dynamic_axes",
+           "plain_graph_module", "promote_mixed_concats", "sdpa_nodes", "size_axes", "trace_unet"]
 
 
 def plain_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
@@ -143,12 +144,33 @@ def attention_count(unet: torch.nn.Module, gm: fx.GraphModule, passes: int, dead
     return sum(isinstance(m, Attention) for m in unet.modules()) * passes - dead - masked
 
 
+def size_axes(multiple: int, max_latent: int = 1024) -> dict[str, Any]:
+    """The symbolic axes of an export for every image size: the latent's height and width (in
+    multiples of ``multiple``, the U-Net's downsampling) and the text length."""
+    dim = torch.export.Dim
+    return {"height": multiple * dim("latent_height_div", min=1, max=max(1, max_latent // multiple)),
+            "width": multiple * dim("latent_width_div", min=1, max=max(1, max_latent // multiple)),
+            "text": dim("text_length", min=1, max=4096)}
+
+
+def dynamic_axes(name: str, batch: Any, sizes: dict[str, Any] | None) -> dict[int, Any]:
+    """The dynamic axes of model input ``name``: the batch (``batch``, None: fixed), and with
+    ``sizes`` (:func:`size_axes`) the latent's height and width and the text length."""
+    axes = {0: batch} if batch is not None else {}
+    if sizes and name == "sample":
+        axes.update({2: sizes["height"], 3: sizes["width"]})
+    if sizes and name == "encoder_hidden_states":
+        axes[1] = sizes["text"]
+    return axes
+
+
 def trace_unet(unet: torch.nn.Module, args: tuple[torch.Tensor, ...], family: ModelFamily,
-               dynamic: bool) -> fx.GraphModule:
+               dynamic: bool, sizes: dict[str, Any] | None = None) -> fx.GraphModule:
     """``torch.export`` of the U-Net itself (not a wrapper), so site paths read as in diffusers.
     Every input goes where its family says (``ModelInput.keyword``: SDXL's ``added_cond_kwargs``
     flatten to the ``text_embeds``, ``time_ids`` inputs), in the family's order, which the graph's
-    inputs keep; with ``dynamic`` each per-image input gets a dynamic batch axis."""
+    inputs keep; with ``dynamic`` each per-image input gets a dynamic batch axis, with ``sizes``
+    (:func:`size_axes`) the latent's height and width and the text length are symbolic."""
     batch = torch.export.Dim.DYNAMIC
     if family.multiview:  # the multi-view wrapper (MultiViewExport): its inputs positional
         shapes = tuple({0: batch} if name in family.per_image else None for name in family.names)
@@ -159,8 +181,9 @@ def trace_unet(unet: torch.nn.Module, args: tuple[torch.Tensor, ...], family: Mo
     leading = 1 if family.dit else 3  # PixArt: the latent positional, the rest by name
     positional = tuple(values.pop(i.keyword) for i in family.inputs[:leading])
     shapes = None
-    if dynamic:
-        axes = nested((i.keyword, {0: batch} if i.per_image else None) for i in family.inputs)
+    if dynamic or sizes:
+        axes = nested((i.keyword, dynamic_axes(i.name, batch if dynamic and i.per_image else None, sizes)
+                       or None) for i in family.inputs)
         shapes = {**axes, "return_dict": None}
     with torch.no_grad():
         ep = torch.export.export(unet, positional, {**values, "return_dict": False}, dynamic_shapes=shapes)

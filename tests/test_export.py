@@ -198,10 +198,14 @@ def test_session_takes_every_timestep_form(exported, unet, timestep):
     assert np.array_equal(got.numpy(), ort_session(exported.path).run(None, feed)[0])
 
 
-def test_session_rejects_wrong_shapes(exported):
+def test_session_rejects_wrong_shapes(exported, exported_partition):
     session = ToMeSession(exported.path, seed=0)
-    with pytest.raises(ToMeExportError, match="fixed per export"):
-        session(torch.zeros(2, 4, 8, 8), torch.tensor(1), torch.zeros(2, 7, 32))
+    # any size, but in multiples of the U-Net's downsampling (the tiny U-Net: 2)
+    with pytest.raises(ToMeExportError, match="multiples of 2 .*images in multiples of 16 pixels"):
+        session(torch.zeros(2, 4, 9, 8), torch.tensor(1), torch.zeros(2, 7, 32))
+    with pytest.raises(ToMeExportError, match="fixed per export"):  # --partition-input keeps its size
+        ToMeSession(exported_partition.path, seed=0)(torch.zeros(2, 4, 8, 8), torch.tensor(1),
+                                                      torch.zeros(2, 7, 32))
     with pytest.raises(ToMeExportError, match="different values"):
         session(torch.zeros(2, 4, 16, 16), torch.tensor([1, 2]), torch.zeros(2, 7, 32))
 
@@ -312,10 +316,22 @@ def test_no_rand_export_equals_tomesd_at_any_batch(tmp_path, unet):
     assert result.input_names == ["sample", "timestep", "encoder_hidden_states"]  # exactly the standard ones
     ref = tomesd_reference(unet, ratio=0.5, use_rand=False)
     session = ToMeSession(result.path)
-    for batch in (1, 2, 4):  # one file, each batch equal to tomesd on the PyTorch model
-        inputs = tiny_inputs(unet, batch=batch, seed=batch)
+    # one file, each batch and image size (#34: square or not, grids the stride does not divide,
+    # another text length) equal to tomesd on the PyTorch model at that size
+    for batch, hw, text in ((1, (16, 16), 7), (2, (16, 16), 7), (4, (16, 16), 7), (2, (12, 20), 7),
+                            (1, (24, 16), 3), (2, (10, 6), 11)):
+        inputs = tiny_inputs(unet, batch=batch, hw=hw, seed=batch)
+        g = torch.Generator().manual_seed(text)
+        inputs.encoder_hidden_states = torch.randn(batch, text, 32, generator=g)
         got = session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
-        assert got.shape[0] == batch and (got - call(ref, inputs)).abs().max() < 1e-4
+        assert got.shape == inputs.sample.shape and (got - call(ref, inputs)).abs().max() < 1e-4, (batch, hw)
+    meta = session.meta
+    assert meta.any_size and meta.latent_multiple == 2 and (meta.height, meta.width) == (HW, HW)
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+            for i in onnx.load(str(result.path), load_external_data=False).graph.input}
+    free = (dims["sample"][0], *dims["sample"][2:], *dims["encoder_hidden_states"][:2])
+    assert all(isinstance(d, str) for d in free)
+    assert dims["sample"][1] == 4 and dims["timestep"] == [1]
 
 
 def test_sdxl_fp16_export_into_an_optimum_folder_optimized(tmp_path, capsys):
@@ -836,8 +852,8 @@ def test_session_io_binding_equals_numpy_path(exported, unet):
     a = plain(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
     b = bound(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
     assert bound.io_binding and torch.equal(a, b)
-    with pytest.raises(ToMeExportError, match="fixed per export"):
-        bound(torch.zeros(2, 4, 8, 8), 1, torch.zeros(2, 7, 32))
+    with pytest.raises(ToMeExportError, match="multiples of 2"):
+        bound(torch.zeros(2, 4, 8, 7), 1, torch.zeros(2, 7, 32))
 
 
 def test_merge_scatters_take_int32_indices(exported):

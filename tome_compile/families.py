@@ -16,7 +16,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FAMILIES", "ModelFamily", "ModelInput", "family_of", "nested", "needs"]
+__all__ = ["FAMILIES", "ModelFamily", "ModelInput", "family_of", "latent_multiple", "nested", "needs"]
+
+
+def latent_multiple(unet: Any) -> int:
+    """What a latent's height and width must be a multiple of for ``unet``: 2 per downsampling
+    stage of a U-Net (SD 1.5 / 2.1 / SDXL: 8), the patch size of a DiT; 1 when unknown."""
+    config = getattr(unet, "config", None)
+    blocks = getattr(config, "down_block_types", None)
+    if blocks:
+        return 2 ** (len(blocks) - 1)
+    return int(getattr(config, "patch_size", None) or 1)
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,9 @@ class ModelFamily:
     dit: bool = False
     multiview: bool = False
     dynamic_batch: bool = True
+    # its export can take any image size and text length (symbolic height, width and text axis, as
+    # Optimum's U-Net export): the image U-Nets; video, DiT and multi-view exports keep their size
+    any_size: bool = False
 
     @property
     def names(self) -> list[str]:
@@ -84,7 +97,7 @@ class ModelFamily:
         return replace(self, name=name, inputs=self.inputs + extra, **changes)
 
 
-UNET = ModelFamily("unet", (_SAMPLE, _TIMESTEP, _TEXT))
+UNET = ModelFamily("unet", (_SAMPLE, _TIMESTEP, _TEXT), any_size=True)
 SDXL = UNET.with_inputs(
     "sdxl",
     ModelInput("text_embeds", True, "added_cond_kwargs['text_embeds'] (SDXL's pooled text embedding)",
@@ -96,7 +109,7 @@ LCM = UNET.with_inputs(  # a U-Net distilled with its guidance scale as an input
     "lcm", ModelInput("timestep_cond", True, "timestep_cond [B, D] (LCM's guidance-scale embedding)"),
 )
 ANIMATEDIFF = ModelFamily("animatediff", (_SAMPLE, _TIMESTEP, _TEXT), video_layout="BCFHW",
-                          dynamic_batch=False)
+                          dynamic_batch=False)  # any_size: not built yet (frames symbolic too)
 SVD = ModelFamily("svd", (_SAMPLE, _TIMESTEP, _TEXT, ModelInput(
     "added_time_ids", True, "added_time_ids (SVD: fps, motion bucket, noise augmentation per video)")),
     video_layout="BFCHW", dynamic_batch=False)
@@ -116,7 +129,7 @@ MULTIVIEW = UNET.with_inputs(  # Zero123++'s two-pass wrapper around its U-Net
     ModelInput("cond_lat", True, "cross_attention_kwargs={'cond_lat': ...} (multi-view: the condition "
                "view's latent)"),
     ModelInput("noise", True, "the condition latent's noise (drawn as the wrapper draws it)", drawn=True),
-    multiview=True,
+    multiview=True, any_size=False,  # any size: not built yet (the condition latent's size too)
 )
 FAMILIES = (UNET, SDXL, LCM, ANIMATEDIFF, SVD, PIXART, PIXART_SIZED, MULTIVIEW)
 

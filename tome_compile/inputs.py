@@ -12,7 +12,7 @@ compiled and the ONNX paths see the same numbers call by call.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -96,6 +96,13 @@ class ToMeInputSpec:
     def fed_from(self) -> str | None:
         """The graph output whose value the next calls feed back here (plan_every's plans)."""
         return self.name + FED_BACK_SUFFIX if self.draw in ("plan_slot", "plan_weight") else None
+
+    def at_latent(self, height: int, width: int) -> ToMeInputSpec:
+        """This input for a call whose latent is ``height x width`` (an export for every image size:
+        the importance map follows the latent; the other inputs of such an export have no size)."""
+        if self.draw == "importance":
+            return replace(self, shape=(self.shape[0], height, width))
+        return self
 
     def zeros(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """A placeholder value of the right shape and dtype (tracing, "nothing drawn")."""

@@ -87,7 +87,7 @@ def destination_partition(
     # backend, returns the same order. ONNX TopK and torch.sort break ties differently.
     order = torch.argsort(is_src * n + torch.arange(n, device=device))
     nd = hsy * wsx
-    return order[:nd], order[nd:]
+    return order.narrow(0, 0, nd), order.narrow(0, nd, n - nd)  # narrow: exact sizes when symbolic
 
 
 def tie_free_order(score: torch.Tensor, descending: bool = True) -> torch.Tensor:
@@ -132,7 +132,7 @@ def _plan_from_matches(
     # a shape-only ``arange(...).expand(b, n)`` / ``zeros`` / ``empty`` is the same expression in
     # every block with these sizes, which the ONNX exporter and ONNX Runtime's CSE compute once
     # and keep alive from the first block of the U-Net to the last (at the peak of an ORT call).
-    none = best_dst[:, :1] * 0  # [B, 1] zeros of this block
+    none = best_dst.amax(dim=1, keepdim=True) * 0  # [B, 1] zeros of this block (exactly 1 column)
     rank = edge_order.scatter(1, edge_order, torch.arange(ns, device=device) + none)
     slot_src = torch.where(rank < r, kept + best_dst, rank - r)
     slot_dst = kept + torch.arange(nd, device=device) + none
@@ -140,7 +140,7 @@ def _plan_from_matches(
     slots = torch.cat([slot_dst, slot_src], dim=1)
     slot = slots.scatter(1, tokens, slots)  # tokens: a permutation of 0..n-1
     ones = (slot * 0 + 1).to(dtype)
-    count = ones[:, : n - r] * 0
+    count = ones.narrow(1, 0, n - r) * 0
     count = count.scatter_add(1, slot, ones)
     return slot, count.reciprocal().unsqueeze(-1)
 
@@ -269,17 +269,17 @@ def importance_partition(
     imp = importance.reshape(p, n).to(torch.float32)
     # Unique keys: importance rank, ties by token index (every backend picks the same pool).
     imp = imp / row_max(imp)[0].unsqueeze(-1).clamp_min(1e-30)  # scale-free, for tie_free_order
-    pool = tie_free_order(imp)[:, :m]  # [P, M]
+    pool = tie_free_order(imp).narrow(1, 0, m)  # [P, M]
     if dst_key is None:
         pick = torch.arange(nd, device=device).expand(p, nd)  # the most important of the pool
     else:
-        pick = tie_free_order(dst_key.to(torch.float32), descending=False)[:, :nd]  # uniform subset
+        pick = tie_free_order(dst_key.to(torch.float32), descending=False).narrow(1, 0, nd)  # uniform subset
     dst_tok = pool.gather(1, pick)  # [P, Nd]
     is_dst = torch.zeros(p, n, dtype=torch.int64, device=device).scatter(1, dst_tok, 1)
     in_pool = torch.zeros(p, n, dtype=torch.int64, device=device).scatter(1, pool, 1)
     arange_n = torch.arange(n, device=device).expand(p, n)
     order = torch.argsort((1 - is_dst) * n + arange_n, dim=-1)  # destinations first, by token index
-    dst_idx, src_idx = order[:, :nd], order[:, nd:]
+    dst_idx, src_idx = order.narrow(1, 0, nd), order.narrow(1, nd, n - nd)
     return dst_idx, src_idx, 1 - in_pool.gather(1, src_idx)
 
 
@@ -381,7 +381,7 @@ def merge_tokens_by_heads(x: torch.Tensor, slot: torch.Tensor, weight: torch.Ten
     # read off this merge's plan, not shape-only (see _plan_from_matches): slot * 0 is exactly 0
     tokens = torch.arange(n, device=x.device) + slot * 0
     # the smallest token of each slot (ScatterElements "min", int64: exact, deterministic)
-    head = (tokens[:, :m] * 0 + n).scatter_reduce(1, slot, tokens, "amin")
+    head = (tokens.narrow(1, 0, m) * 0 + n).scatter_reduce(1, slot, tokens, "amin")
     # the r tokens that are not a head, ascending: keys are unique, so every backend's TopK returns
     # them in one order and the sums below run in token order, as in merge_tokens
     key = (head.gather(1, slot) == tokens).to(torch.int64) * n + tokens

@@ -122,7 +122,7 @@ def _zero_after(metric: torch.Tensor) -> torch.Tensor:
     order runs a node as soon as its inputs are ready, so a block's cells computed from the graph's
     inputs alone are made at the start of a call and held until the block runs (through the
     U-Net's peak); this 0 makes them wait for the block."""
-    return metric.reshape(-1)[:1].argmax()
+    return metric.reshape(-1).narrow(0, 0, 1).argmax()
 
 
 def block_cells(partition: torch.Tensor, offset: int, cells: int, metric: torch.Tensor) -> torch.Tensor:
