@@ -61,8 +61,10 @@ def _model_arguments(p: argparse._ArgumentGroup) -> None:
     )
     p.add_argument("--frames", type=int, default=None,
                    help="video U-Nets (AnimateDiff, SVD): frames per video (default 16 / 25)")
-    p.add_argument("--height", type=int, default=512, help="image height in pixels (multiple of 8)")
-    p.add_argument("--width", type=int, default=512, help="image width in pixels (multiple of 8)")
+    p.add_argument("--height", type=int, default=512,
+                   help="image height traced and checked, in pixels (the file takes any height in "
+                        "multiples of 8 x the U-Net's downsampling: 64 for SD; --static fixes it)")
+    p.add_argument("--width", type=int, default=512, help="image width traced and checked (see --height)")
     p.add_argument("--batch", type=int, default=2,
                    help="batch checked (the file takes any batch unless --static-batch; importance: "
                         "the batch of the export, 2 = one CFG pair)")
@@ -108,6 +110,9 @@ def _onnx_arguments(p: argparse._ArgumentGroup) -> None:
                         "for runtimes without ONNX Runtime's contrib ops")
     p.add_argument("--static-batch", action="store_true",
                    help="fix the batch to --batch (default: any batch from one file)")
+    p.add_argument("--static", action="store_true",
+                   help="fix the image size and text length to --height/--width/--seq-len (CUDA graphs, "
+                        "TensorRT profiles); default: an image U-Net's file takes any size and text length")
     p.add_argument("--optimize", choices=["cpu", "cuda"], default=None,
                    help="run ONNX Runtime's transformer optimizer (model_type=unet) for that provider "
                         "and check parity again")

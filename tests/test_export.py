@@ -1023,3 +1023,28 @@ def test_lcm_timestep_cond_is_an_input_of_its_family(tmp_path):
         assert (ours - expected).abs().max() < 1e-4 and (ours - plain).abs().max() > 1e-3
     with pytest.raises(ToMeExportError, match=r"this export needs timestep_cond \[B, D\]"):
         session(inputs.sample[:1], torch.tensor(999), encoder_hidden_states=inputs.encoder_hidden_states[:1])
+
+
+def test_34_diffusers_onnx_pipeline_generates_two_sizes_from_one_file(exported):
+    """#34: the file replaces Optimum's plain export, which serves every size: diffusers' ONNX
+    pipeline (3 standard inputs, NumPy) generates at 128² and at 96 x 160 from the same file (it
+    failed with ORT's "Got invalid dimensions for input: sample" before), and a raw client at a
+    third size and batch 3 gets what ToMeSession gets."""
+    from test_call_state import onnx_pipeline
+
+    pipe = onnx_pipeline(exported.path)
+    for height, width in ((128, 128), (96, 160)):
+        g = np.random.RandomState(0)
+        latents = g.randn(1, 4, height // 8, width // 8).astype(np.float32)
+        out = pipe(prompt_embeds=np.ones((1, 7, 32), np.float32), negative_prompt_embeds=np.zeros((1, 7, 32),
+                   np.float32), height=height, width=width, num_inference_steps=2, output_type="np",
+                   latents=latents).images
+        assert out.shape[1:3] == (height // 8, width // 8) and np.isfinite(out).all()
+    # the raw file at a third size and batch 3 equals a ToMeSession call there (one code path)
+    session = ToMeSession(exported.path)
+    feed = {"sample": np.random.RandomState(1).randn(3, 4, 20, 12).astype(np.float32),
+            "timestep": np.array([500.0], np.float32),
+            "encoder_hidden_states": np.random.RandomState(2).randn(3, 5, 32).astype(np.float32)}
+    raw = ort_session(exported.path).run(None, feed)[0]
+    got = session(torch.from_numpy(feed["sample"]), 500.0, torch.from_numpy(feed["encoder_hidden_states"]))
+    assert raw.shape == (3, 4, 20, 12) and np.array_equal(raw, got.sample.numpy())
