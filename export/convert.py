@@ -120,6 +120,7 @@ def postprocess(program: Any, result: ToMeResult, fp16: bool, attentions: int, p
     from tome_compile.export.onnx_graph import (
         count_ops,
         keep_scatter_fp32,
+        name_axes,
         narrow_scatter_indices,
         set_input_defaults,
     )
@@ -127,6 +128,7 @@ def postprocess(program: Any, result: ToMeResult, fp16: bool, attentions: int, p
     model = program.model
     wrapped = keep_scatter_fp32(model) if fp16 else 0
     narrowed = narrow_scatter_indices(model)
+    name_axes(model)
     # each ToMe input's default (ToMeInputSpec.default): seed 0, no map yet (the fallback branch
     # runs), no plans yet (a dynamic export: no rows along the batch axis; a static one keeps the
     # declared size — ORT refuses a default of another shape)

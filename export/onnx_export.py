@@ -40,6 +40,7 @@ from tome_compile.export.metadata import METADATA_KEY, ExportMetadata
 from tome_compile.export.ort_optimizer import optimize_for_ort
 from tome_compile.export.output_files import check_output_path, sweep_stale_partials, temp_folder, write_error
 from tome_compile.export.parity import default_providers
+from tome_compile.export.sizes import any_size_export, other_size_check
 from tome_compile.export.tracing import (
     assert_no_scatter_mean,
     attention_count,
@@ -283,7 +284,7 @@ def _prepare(unet: torch.nn.Module, out: Path, config: ToMeConfig, o: ExportOpti
                        else torch.tensor([float(inputs.timestep)], dtype=torch.float32))
     multiple = latent_multiple(unet)
     sizes = None
-    if _any_size(family, config, o):
+    if any_size_export(family, config, o):
         latent = tuple(inputs.sample.shape[-2:])
         if latent[0] % multiple or latent[1] % multiple:
             raise ToMeExportError(f"height={o.height}, width={o.width}: the traced latent "
@@ -292,23 +293,6 @@ def _prepare(unet: torch.nn.Module, out: Path, config: ToMeConfig, o: ExportOpti
         sizes = size_axes(multiple)
     return _Run(unet=unet, out=out, config=config, options=o, inputs=inputs, family=family, dynamic=dynamic,
                 traced=traced, sizes=sizes, multiple=multiple)
-
-
-def _any_size(family: ModelFamily, config: ToMeConfig, o: ExportOptions) -> bool:
-    """Whether this export takes every image size: an image U-Net's, unless asked for a fixed size or
-    its extra inputs are sized per export (a drawn partition; plan_every's plan state)."""
-    if o.static or not family.any_size:
-        return False
-    importance = config.method == "importance" and config.enabled
-    if o.partition_input or config.reuses_plans or importance:
-        # importance's two plans per block (ONNX If) with symbolic sizes: the capture took 7 minutes
-        # on the tiny test U-Net (40 s fixed); not shipped until that is brought down
-        form = ("--partition-input" if o.partition_input else "--plan-every" if config.reuses_plans
-                else "--method importance")
-        logger.warning("the %s export keeps its traced image size and text length; export again for "
-                       "another size", form)
-        return False
-    return True
 
 
 def _stage_trace(run: _Run) -> None:
@@ -417,31 +401,13 @@ def _stage_parity(run: _Run) -> None:
     run.checks = parity.parity_checks(run.result, run.gm, run.args, run.extra, run.family, run.options.seed,
                                       run.traced if run.dynamic else None)
     if run.sizes is not None:
-        run.checks.append(_other_size_check(run))
+        run.checks.append(other_size_check(run.unet, run.inputs, run.result, o=run.options,
+                                           multiple=run.multiple, batch=1 if run.dynamic else run.traced))
     run.references = parity.references(run.gm, run.checks)  # before the session loads: release_weights
     if run.options.release_weights:
         _release_weights(run.unet, run.gm)
     _compare(run, run.model)
     gc.collect()
-
-
-def _other_size_check(run: _Run) -> parity.ParityCheck:
-    """The call at another size from the same file: the traced latent two multiples taller, a
-    shorter text, batch 1 where the batch is dynamic."""
-    o = run.options
-    scale = o.height // int(run.inputs.sample.shape[-2])  # pixels per latent row (the VAE's 8)
-    height = o.height + 2 * run.multiple * scale
-    seq_len = max(1, o.seq_len - 7)
-    batch = 1 if run.dynamic else run.traced
-    inputs = example_inputs(run.unet, batch=batch, height=height, width=o.width, seq_len=seq_len,
-                            seed=o.seed + 1, dtype=run.inputs.sample.dtype)
-    inputs.timestep = torch.tensor([float(inputs.timestep)], dtype=torch.float32)
-    assert run.result is not None
-    latent = tuple(int(d) for d in inputs.sample.shape[-2:])
-    specs = [spec.at_latent(*latent) for spec in run.result.inputs]
-    extra = parity.example_tome_inputs(dataclasses.replace(run.result, inputs=specs), o.seed)
-    return parity.ParityCheck(f"{height}x{o.width}, text {seq_len}, batch {batch}", tuple(inputs.args()),
-                              tuple(extra))
 
 
 def _stage_optimize(run: _Run) -> None:

@@ -5,6 +5,9 @@
   runs in float32 between two casts (also more exact: fp16 sums of up to ``sx*sy`` tokens).
 * :func:`set_input_defaults` — make the ToMe inputs optional: each gets an initializer of the same
   name (ONNX IR >= 4), the value a client that omits the input gets (seed 0, "no map yet").
+* :func:`name_axes` — the free axes of an export for every size named as Optimum names them
+  (``batch_size``, ``height``, ``width``, ``sequence_length``), and the exporter's shape
+  expressions of intermediate values dropped (ONNX Runtime infers them again at load).
 * :func:`count_ops` — structure checks (how many fused attentions the file holds).
 """
 
@@ -14,7 +17,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-__all__ = ["count_ops", "keep_scatter_fp32", "set_input_defaults"]
+__all__ = ["count_ops", "keep_scatter_fp32", "name_axes", "set_input_defaults"]
 
 
 def keep_scatter_fp32(model: object) -> int:
@@ -123,3 +126,45 @@ def count_ops(model: object, op_type: str, domain: str = "") -> int:
 
     return sum(1 for node in ir.traversal.RecursiveGraphIterator(model.graph)  # type: ignore[attr-defined]
                if node.op_type == op_type and node.domain == domain)
+
+
+# each model input's axes, as Optimum's U-Net export names them
+AXIS_NAMES = {
+    "sample": ("batch_size", None, "height", "width"),
+    "encoder_hidden_states": ("batch_size", "sequence_length", None),
+    "text_embeds": ("batch_size", None),
+    "time_ids": ("batch_size", None),
+}
+
+
+def name_axes(model: object, names: Mapping[str, tuple[str | None, ...]] = AXIS_NAMES) -> dict[str, str]:
+    """Rename the symbolic axes of the graph's inputs and outputs after :data:`AXIS_NAMES` (the
+    exporter's are ``s53``, ``2*latent_height_div``), and drop the symbolic shapes of intermediate
+    values: the exporter writes them as expressions of its own symbols (``floor(...)``), which ONNX
+    Runtime's symbolic shape inference — TensorRT's and the transformer optimizer's — would read as
+    names. Returns ``{old: new}``."""
+    import onnx_ir as ir
+
+    graph = model.graph  # type: ignore[attr-defined]
+    rename: dict[str, str] = {}
+    for value in graph.inputs:
+        if value.shape is None or value.name not in names:
+            continue
+        for dim, new in zip(value.shape.dims, names[value.name], strict=False):
+            if new is not None and isinstance(dim, ir.SymbolicDim) and dim.value is not None:
+                rename.setdefault(dim.value, new)
+
+    def renamed(shape: ir.Shape) -> ir.Shape:
+        return ir.Shape([ir.SymbolicDim(rename.get(d.value, d.value)) if isinstance(d, ir.SymbolicDim) else d
+                         for d in shape.dims])
+
+    boundary = {id(v) for v in (*graph.inputs, *graph.outputs)}
+    for value in (*graph.inputs, *graph.outputs):
+        if value.shape is not None:
+            value.shape = renamed(value.shape)
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        for value in node.outputs:
+            if id(value) not in boundary and value.shape is not None and any(
+                    isinstance(d, ir.SymbolicDim) for d in value.shape.dims):
+                value.shape = None
+    return rename

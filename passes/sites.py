@@ -222,9 +222,18 @@ def region_nodes(graph: fx.Graph, path: str, span: tuple[int, int] | None = None
 
 
 def region_exits(nodes: list[fx.Node]) -> list[fx.Node]:
-    """Nodes of a region used outside it (a well-formed region has exactly one)."""
+    """Nodes of a region used outside it (a well-formed region has exactly one). Size arithmetic
+    on sizes read outside the region (``8 * batch``, heads times a symbolic batch, that
+    ``torch.export`` computes once where first needed and shares with later blocks) is not an exit:
+    it does not depend on the region's tensors, so merging them cannot change it."""
     inside = set(nodes)
-    return [n for n in nodes if any(u not in inside for u in n.users)]
+
+    def outside_size(n: fx.Node) -> bool:
+        value = n.meta.get("val")
+        return isinstance(value, (int, torch.SymInt)) and all(
+            a not in inside or outside_size(a) for a in n.all_input_nodes)
+
+    return [n for n in nodes if any(u not in inside for u in n.users) and not outside_size(n)]
 
 
 _CAT_OPS: set[Any] = {torch.cat, torch.concat, torch.ops.aten.cat.default, torch.ops.aten.concat.default}

@@ -132,7 +132,7 @@ def _plan_from_matches(
     # a shape-only ``arange(...).expand(b, n)`` / ``zeros`` / ``empty`` is the same expression in
     # every block with these sizes, which the ONNX exporter and ONNX Runtime's CSE compute once
     # and keep alive from the first block of the U-Net to the last (at the peak of an ORT call).
-    none = best_dst.amax(dim=1, keepdim=True) * 0  # [B, 1] zeros of this block (exactly 1 column)
+    none = best_dst.narrow(1, 0, 1) * 0  # [B, 1] zeros of this block (exactly 1 column)
     rank = edge_order.scatter(1, edge_order, torch.arange(ns, device=device) + none)
     slot_src = torch.where(rank < r, kept + best_dst, rank - r)
     slot_dst = kept + torch.arange(nd, device=device) + none
@@ -214,8 +214,10 @@ def _best_matches_symbolic(a: torch.Tensor, bt: torch.Tensor) -> tuple[torch.Ten
     if count <= 1:
         return row_max(a @ bt)
     rows = (ns + count - 1) // count
-    padded = torch.nn.functional.pad(a, (0, 0, 0, rows * count - ns))
-    blocks = [row_max(padded.narrow(1, k * rows, rows) @ bt) for k in range(count)]
+    # blocks picked by a constant index of a [B, count, rows, C] view, not sliced at computed
+    # offsets: ONNX Runtime's symbolic shape inference cannot read a Slice at floor(...)
+    parts = torch.nn.functional.pad(a, (0, 0, 0, rows * count - ns)).unflatten(1, (count, rows))
+    blocks = [row_max(parts.select(1, k) @ bt) for k in range(count)]
     value = torch.cat([v for v, _ in blocks], dim=1).narrow(1, 0, ns)
     return value, torch.cat([i for _, i in blocks], dim=1).narrow(1, 0, ns)
 

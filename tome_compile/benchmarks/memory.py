@@ -74,6 +74,9 @@ def _inputs(session: Any, batch: int, seed: int) -> dict[str, np.ndarray]:
     """Random model inputs of the file's shapes at ``batch`` (the timestep 999)."""
     g = np.random.default_rng(seed)
     tome = {spec.name for spec in session.specs}
+    meta = session.meta
+    traced = {"height": meta.latent_hw[0] if meta.latent_hw else None,  # an any-size file: the traced size
+              "width": meta.latent_hw[1] if meta.latent_hw else None, "sequence_length": meta.seq_len}
     out: dict[str, np.ndarray] = {}
     for name, spec in session.inputs.items():
         if name in tome:
@@ -81,7 +84,7 @@ def _inputs(session: Any, batch: int, seed: int) -> dict[str, np.ndarray]:
         if name == "timestep":
             out[name] = np.array([999.0], dtype=np.float32)
             continue
-        shape = [d if isinstance(d, int) else batch for d in spec.shape]
+        shape = [d if isinstance(d, int) else traced.get(d) or batch for d in spec.shape]
         dtype = np.float16 if "float16" in spec.type else np.float32
         out[name] = g.standard_normal(shape).astype(dtype)
     if "time_ids" in out:
