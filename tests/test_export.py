@@ -472,6 +472,30 @@ def test_optimizer_finds_the_plain_exports_fusions(tmp_path, unet, exported):
             assert ours.get(op, 0) == theirs.get(op, 0), (provider, op, ours, theirs)
         assert theirs["SkipLayerNormalization"] == 8
     assert theirs["GroupNorm"] + theirs["SkipGroupNorm"] == 21  # CUDA: every group norm fused
+    # the optimised any-size file keeps Optimum's symbolic axes and runs another size, non-square
+    optimized = onnx.load(str(tmp_path / "ours_cpu.onnx"), load_external_data=False)
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+            for i in [*optimized.graph.input, *optimized.graph.output]}
+    assert dims["sample"] == dims["out_sample"] == ["batch_size", 4, "height", "width"]
+    assert dims["encoder_hidden_states"] == ["batch_size", "sequence_length", 32]
+    g = torch.Generator().manual_seed(3)
+    feed = {"sample": torch.randn(1, 4, 12, 20, generator=g).numpy(),
+            "timestep": np.array([500.0], np.float32),
+            "encoder_hidden_states": torch.randn(1, 5, 32, generator=g).numpy()}
+    got = ort_session(tmp_path / "ours_cpu.onnx").run(None, feed)[0]
+    want = ort_session(exported.path).run(None, feed)[0]
+    assert got.shape == (1, 4, 12, 20) and np.abs(got - want).max() <= 1e-4
+
+
+def test_gpu_check_runs_one_file_at_two_sizes(exported, sd15_folder):
+    """gpu_check's any-size part, on two CPU sessions (the GPU machine runs it CUDA vs CPU): one
+    file at the traced size and a non-square one, the same numbers from both sessions."""
+    from tome_compile.benchmarks.gpu_check import two_sizes
+
+    rows = two_sizes(exported.path, str(sd15_folder), [(HW, HW), (96, 160)], batch=2, repeats=1,
+                     providers=("CPUExecutionProvider", "CPUExecutionProvider"))
+    assert [size for size, _, _ in rows] == [(HW, HW), (96, 160)]
+    assert all(t > 0 and diff == 0.0 for _, t, diff in rows)
 
 
 def test_optimizer_leaves_the_weights_on_disk_and_writes_only_live_ones(tmp_path, exported):

@@ -7,6 +7,9 @@ ratio 0 (baseline) and ToMe at ``--ratio`` (``--partition-input``, so the partit
 ``tome_backend`` draws) — both with fused MultiHeadAttention and ORT's transformer optimizer for
 CUDA, creates CUDA EP sessions (``ToMeSession``: IO binding), checks ORT-CUDA against
 PyTorch-CUDA on the same inputs and partition, and prints median latencies side by side.
+Then the default export (hashed destinations, every image size) once, fp32: the same file run on
+the CUDA EP at ``--size`` and at ``--second-size`` (non-square), each against the same file on the
+CPU EP (:func:`two_sizes`), with the median time per size.
 Exits 2 with one line when there is no CUDA or no CUDA EP, so it is safe to run anywhere.
 """
 
@@ -37,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=positive_int, default=10)
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "fp16"], choices=["fp32", "fp16"])
     parser.add_argument("--no-optimize", action="store_true", help="skip ORT's transformer optimizer (cuda)")
+    parser.add_argument("--second-size", type=image_size, nargs=2, default=[768, 512], metavar=("H", "W"),
+                        help="the other size the any-size file runs (default 768 512)")
     args = parse_command_line(parser, argv)
     if isinstance(args, int):
         return args
@@ -109,7 +114,45 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---:|---:|---:|")
     for dtype_name, label, med, speedup, parity in rows:
         print(f"| {dtype_name} | {label} | {med:.4f} | {speedup:.2f}x | {parity:.2e} |")
-    return 0 if all(np.isfinite(r[4]) for r in rows) else 1
+    unet, _ = load_unet(args.model)
+    path = out / f"{args.model}_fp32_any.onnx"
+    export_onnx(unet, path, ToMeConfig(ratio=args.ratio, seed=0), batch=args.batch, height=args.size,
+                width=args.size, force=True, check_parity=False)
+    del unet
+    sizes = [(args.size, args.size), tuple(args.second_size)]
+    checked = two_sizes(path, args.model, sizes, args.batch, args.repeats)
+    print(f"\none any-size file ({path.name}), CUDA EP vs the same file on the CPU EP, batch {args.batch}")
+    print("| size | median s (CUDA) | max abs vs CPU EP |")
+    print("|---|---:|---:|")
+    for (h, w), med, diff in checked:
+        print(f"| {h}x{w} | {med:.4f} | {diff:.2e} |")
+    finite = all(np.isfinite(r[4]) for r in rows) and all(np.isfinite(d) for *_, d in checked)
+    return 0 if finite else 1
+
+
+def two_sizes(path: Path, model: str, sizes: list[tuple[int, int]], batch: int, repeats: int,
+              providers: tuple[str, str] = ("CUDAExecutionProvider", "CPUExecutionProvider"),
+              ) -> list[tuple[tuple[int, int], float, float]]:
+    """One any-size file at each of ``sizes`` on ``providers[0]`` (timed, median of ``repeats``)
+    against ``providers[1]``: ``[((h, w), median_s, max_abs), ...]``."""
+    from tome_compile.export import ToMeSession
+    from tome_compile.models import example_inputs, load_unet
+
+    fast, reference = (ToMeSession(path, seed=0, providers=[p]) for p in providers)
+    unet, _ = load_unet(model)
+    rows = []
+    for h, w in sizes:
+        inputs = example_inputs(unet, batch=batch, height=h, width=w, seq_len=77)
+        args = (inputs.sample.numpy(), inputs.timestep, inputs.encoder_hidden_states.numpy())
+        want = np.asarray(reference(*args)[0])
+        got = np.asarray(fast(*args)[0])
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fast(*args)
+            times.append(time.perf_counter() - start)
+        rows.append(((h, w), statistics.median(times), float(np.abs(got - want).max())))
+    return rows
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python -m tome_compile.benchmarks.ort      # SD 1.5 architecture, 512² batch 2 and 1024² batch 1, CPU EP
     python -m tome_compile.benchmarks.ort --sizes 512 --batches 2 --workdir /tmp/ort-bench
+    python -m tome_compile.benchmarks.ort --variants baseline baseline-static tome tome-static --one-session
 
 The baseline is what an ONNX Runtime user deploys today: the same U-Net exported with every
 attention a fused ``com.microsoft.MultiHeadAttention`` (ratio 0 through the same exporter) and
@@ -10,6 +11,11 @@ and the oracle go through the same path. Each variant is exported with ``export_
 and parity-tested), loaded in its own session and timed in interleaved rounds; medians, ratios
 against the baseline, and the peak memory of a call above the session's resting level are
 printed and written as JSON.
+
+Exports take every image size (``tome-export``'s default): a variant's file is exported once, at the
+first size, and the same file runs every later size — as a deployment would. A ``-static`` variant
+(``baseline-static``, ``tome-static``) is ``tome-export --static``: one file per size, traced there;
+side by side with its dynamic twin it gives the cost of the symbolic shapes.
 """
 
 from __future__ import annotations
@@ -98,18 +104,22 @@ def main(argv: list[str] | None = None) -> int:
     from tome_compile.export import export_onnx
     from tome_compile.models import example_inputs, load_unet
 
-    variants: dict[str, tuple[Any, bool]] = {}
+    variants: dict[str, tuple[Any, bool, bool]] = {}  # label: (config, oracle, static)
     try:
         for name in args.variants:
-            if name == "baseline":
-                variants[name] = (ToMeConfig(ratio=0.0), False)
-            elif name == "oracle":
-                variants[name] = (ToMeConfig(ratio=args.ratio, seed=0), True)
-            elif name.split("-")[0] in ("tome", "shared"):
-                options = variant_options("tome-shared" if name == "shared" else name)
-                variants[f"{name} {args.ratio}"] = (ToMeConfig(ratio=args.ratio, seed=0, **options), False)
+            static = name.endswith("-static")
+            base = name.removesuffix("-static")
+            if base == "baseline":
+                variants[name] = (ToMeConfig(ratio=0.0), False, static)
+            elif base == "oracle":
+                variants[name] = (ToMeConfig(ratio=args.ratio, seed=0), True, static)
+            elif base.split("-")[0] in ("tome", "shared"):
+                options = variant_options("tome-shared" if base == "shared" else base)
+                variants[f"{name} {args.ratio}"] = (ToMeConfig(ratio=args.ratio, seed=0, **options), False,
+                                                    static)
             else:
-                raise ToMeError(f"unknown variant {name!r}: use baseline, oracle, tome[-shared][-everyK]")
+                raise ToMeError(f"unknown variant {name!r}: use baseline, oracle, tome[-shared][-everyK], "
+                                "each optionally -static")
     except ToMeError as e:
         parser.error(str(e))
     workdir = Path(args.workdir)
@@ -119,13 +129,20 @@ def main(argv: list[str] | None = None) -> int:
                               "repeats": args.repeats, "onnxruntime": ort.__version__,
                               "threads": torch.get_num_threads(), "sizes": []}
     total = len(args.sizes) * len(variants) * (2 + args.repeats)
+    any_size: dict[str, Path] = {}  # label: a file for every size, exported at the first size
     with tqdm(total=total, desc="bench-ort", unit="step", file=sys.stderr) as bar:
         for size, batch in zip(args.sizes, args.batches, strict=True):
             exports: dict[str, dict[str, Any]] = {}
             paths: dict[str, Path] = {}
-            for label, (config, oracle) in variants.items():  # export all first: one big model in memory
+            for label, (config, oracle, static) in variants.items():  # export all first: one big model
                 bar.set_postfix_str(f"{size}² export {label}")
-                path = workdir / f"{size}_{label.split()[0]}.onnx"
+                path = workdir / f"{size if static else 'any'}_{label.split()[0]}.onnx"
+                if label in any_size:  # the file traced at an earlier size
+                    exports[label] = {"export_s": None, "parity_max_abs": None, "sites": None,
+                                      "traced_at": any_size[label].name}
+                    paths[label] = any_size[label]
+                    bar.update(1)
+                    continue
                 if args.reuse and path.is_file():
                     exports[label] = {"export_s": None, "parity_max_abs": None, "sites": None}
                     paths[label] = path
@@ -134,13 +151,16 @@ def main(argv: list[str] | None = None) -> int:
                 unet, _ = load_unet(args.model)
                 start = time.perf_counter()
                 exported = export_onnx(unet, path, config, batch=batch, height=size, width=size, force=True,
-                                       oracle=oracle, optimize=None if args.no_optimize else "cpu")
+                                       oracle=oracle, optimize=None if args.no_optimize else "cpu",
+                                       static=static)
                 exports[label] = {"export_s": time.perf_counter() - start,
                                   "parity_max_abs": exported.parity_max_abs,
                                   "sites": len(exported.report.rewritten),
                                   "fused_attention": exported.fused_attention,
                                   "fusions": exported.fusions}
                 paths[label] = exported.path
+                if not static:
+                    any_size[label] = exported.path
                 del unet, exported
                 gc.collect()
                 bar.update(1)
@@ -204,10 +224,16 @@ def main(argv: list[str] | None = None) -> int:
             )
         if base and "oracle" in v and base > v["oracle"]["median_s"]:
             bound = base - v["oracle"]["median_s"]
-            for label in (k for k in v if k not in ("baseline", "oracle")):
+            for label in (k for k in v if k not in ("baseline", "oracle") and "-static" not in k):
                 print(
                     f"{label}: keeps {(base - v[label]['median_s']) / bound:.0%} of the oracle's time saving"
                 )
+        for label in v:
+            name, _, rest = label.partition(" ")
+            twin = f"{name}-static {rest}".strip()
+            if twin in v and "-static" not in name:
+                cost = v[label]["median_s"] / v[twin]["median_s"] - 1
+                print(f"{label}: the any-size file takes {cost:+.1%} per call vs the --static file")
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
     print(f"\nwrote {args.json}")
