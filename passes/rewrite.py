@@ -57,8 +57,10 @@ def geometry_values(graph: fx.Graph, plans: Sequence[BlockPlan], config: ToMeCon
     """Each block's sizes as the graph uses them: a node that computes them from the call's first
     convolution (:func:`tome_compile.plans.geometry_at`, right after it; one per distinct block
     size), so that a graph with symbolic shapes (an export for every image size) merges every
-    size with tomesd's numbers; the traced constant where there is no such node or the rule does
-    not give the traced sizes back."""
+    size with tomesd's numbers; the traced constant where the shapes are static (a node there
+    would compute the same constants, and ``torch.cond``'s branches closed over it take
+    ``torch.export`` minutes to trace: the importance export went from 45 s to 290 s), where there
+    is no such node or the rule does not give the traced sizes back."""
     made: dict[tuple[str, PlanGeometry], fx.Node] = {}
     out: list[Any] = []
     names = {n.name: n for n in graph.nodes}  # the plan's node may be of a copy of this graph
@@ -67,7 +69,8 @@ def geometry_values(graph: fx.Graph, plans: Sequence[BlockPlan], config: ToMeCon
         source = names.get(plan.source.name) if plan.source is not None else None
         shape = _sites.node_shape(source) if source is not None else None
         hints = [_sites.size_hint(d) for d in shape[-2:]] if shape is not None and len(shape) == 4 else None
-        if source is None or hints is None or None in hints or static.at(*hints) != static:
+        fixed = shape is not None and all(isinstance(d, int) for d in shape)
+        if fixed or source is None or hints is None or None in hints or static.at(*hints) != static:
             out.append(static._replace(downsample=0))
             continue
         key = (source.name, static)
