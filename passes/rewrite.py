@@ -58,9 +58,8 @@ def geometry_values(graph: fx.Graph, plans: Sequence[BlockPlan], config: ToMeCon
     convolution (:func:`tome_compile.plans.geometry_at`, right after it; one per distinct block
     size), so that a graph with symbolic shapes (an export for every image size) merges every
     size with tomesd's numbers; the traced constant where the shapes are static (a node there
-    would compute the same constants, and ``torch.cond``'s branches closed over it take
-    ``torch.export`` minutes to trace: the importance export went from 45 s to 290 s), where there
-    is no such node or the rule does not give the traced sizes back."""
+    would compute the same constants), where there is no such node or the rule does not give the
+    traced sizes back."""
     made: dict[tuple[str, PlanGeometry], fx.Node] = {}
     out: list[Any] = []
     names = {n.name: n for n in graph.nodes}  # the plan's node may be of a copy of this graph
