@@ -24,7 +24,6 @@ import dataclasses
 import gc
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -38,7 +37,13 @@ from tome_compile.export.convert import check_opset, convert_to_onnx, postproces
 from tome_compile.export.inventory import InventoryReport, check_op_inventory
 from tome_compile.export.metadata import METADATA_KEY, ExportMetadata
 from tome_compile.export.ort_optimizer import optimize_for_ort
-from tome_compile.export.output_files import check_output_path, sweep_stale_partials, temp_folder, write_error
+from tome_compile.export.output_files import (
+    check_output_path,
+    remove_temp_folder,
+    sweep_stale_partials,
+    temp_folder,
+    write_error,
+)
 from tome_compile.export.parity import default_providers
 from tome_compile.export.sizes import any_size_export, other_size_check
 from tome_compile.export.tracing import (
@@ -247,15 +252,15 @@ def export_onnx(unet: torch.nn.Module, out: str | Path, config: ToMeConfig,
     names = options.stages()
     for name in names[:2]:  # trace, rewrite: nothing on disk yet
         stage(name)
-    run.tmp = temp_folder(run.out)
-    try:
+    try:  # the folder is created inside: a signal right after mkdir still finds it removed
+        run.tmp = temp_folder(run.out)
         for name in names[2:]:
             stage(name)
         assert run.export is not None
         run.export.seconds = times
         return run.export
     finally:
-        shutil.rmtree(run.tmp, ignore_errors=True)
+        remove_temp_folder(run.out, run.tmp)
 
 
 def _prepare(unet: torch.nn.Module, out: Path, config: ToMeConfig, o: ExportOptions) -> _Run:

@@ -4,16 +4,20 @@ exports that were killed. Nothing half-written is ever at the destination."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import shutil
+import signal
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from tome_compile.errors import ToMeExportError
 
-__all__ = ["check_output_path", "partial_prefix", "sweep_stale_partials", "temp_folder", "write_error"]
+__all__ = ["check_output_path", "partial_prefix", "remove_temp_folder", "sweep_stale_partials", "temp_folder",
+           "write_error"]
 
 logger = logging.getLogger("tome_compile.export")
 
@@ -83,3 +87,27 @@ def temp_folder(out: Path) -> Path:
         return Path(tempfile.mkdtemp(prefix=f"{partial_prefix(out)}{os.getpid()}-", dir=parent))
     except OSError as e:
         raise write_error(e, parent) from e
+
+
+def remove_temp_folder(out: Path, tmp: Path | None) -> None:
+    """Remove this export's temp folder, with SIGTERM / SIGINT held until it is gone. ``tmp=None``
+    (a signal arrived between the folder's creation and its path reaching the caller): remove every
+    ``.OUT.partial-PID-*`` of this process."""
+    parent = out.parent if str(out.parent) else Path(".")
+    with signals_held():
+        for folder in [tmp] if tmp is not None else parent.glob(f"{partial_prefix(out)}{os.getpid()}-*"):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGTERM and SIGINT wait, pending, until the block ends (main thread, POSIX; elsewhere a no-op):
+    a cleanup is not cut short by the signal that caused it."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -838,6 +838,34 @@ def test_sigterm_cleans_up(tmp_path, sd15_folder):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_signal_right_after_the_temp_folder_is_made_leaves_nothing(tmp_path, unet, monkeypatch):
+    # CI: test_sigterm_cleans_up sends SIGTERM the moment the folder appears; the handler raised
+    # between mkdir and the folder's path reaching export_onnx, and the folder stayed behind.
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from tome_compile.export import ExportOptions, onnx_export, output_files
+
+    real_mkdtemp = tempfile.mkdtemp
+    made = []
+
+    def mkdtemp_then_signal(*args, **kwargs):
+        made.append(Path(real_mkdtemp(*args, **kwargs)))
+        raise KeyboardInterrupt  # what the SIGINT handler raises at the next bytecode
+
+    monkeypatch.setattr(output_files.tempfile, "mkdtemp", mkdtemp_then_signal)
+    for name in ("trace", "rewrite", "convert"):  # nothing to trace: only the folder's life is tested
+        monkeypatch.setitem(onnx_export._STAGE_FUNCTIONS, name, lambda run: None)
+    other = tmp_path / f".x.onnx.partial-{os.getpid() + 1}-keep"  # not this process's: left alone here
+    other.mkdir()
+    monkeypatch.setattr(output_files, "alive", lambda pid: True)
+    with pytest.raises(KeyboardInterrupt):
+        export_onnx(unet, tmp_path / "x.onnx", ToMeConfig(ratio=0.5), ExportOptions(height=HW, width=HW))
+    assert len(made) == 1 and made[0].parent == tmp_path  # the folder was made, then removed
+    assert sorted(tmp_path.iterdir()) == [other]
+
+
 @pytest.mark.parametrize("signum, code", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_a_swallowed_interrupt_still_stops_the_export(
     tmp_path, sd15_folder, monkeypatch, capsys, signum, code
