@@ -286,3 +286,15 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def unet(sd15):
+    return sd15[0]
+
+
+@pytest.fixture(scope="module")
+def sd15_folder(tmp_path_factory, unet):
+    folder = tmp_path_factory.mktemp("tiny_sd15")
+    unet.save_pretrained(folder)
+    return folder
