@@ -276,8 +276,11 @@ def test_plan_every_must_be_a_positive_int(value):
         ToMeConfig(plan_every=value)
 
 
-@pytest.mark.parametrize("method", ["tome", "importance"])
-def test_plan_every_export_equals_the_compiled_backend_call_by_call(tmp_path, sd15, method):
+@pytest.mark.parametrize("method, optimize", [("tome", "cpu"), ("importance", None)])
+def test_plan_every_export_equals_the_compiled_backend_call_by_call(tmp_path, sd15, method, optimize):
+    """ToMe's file also goes through ORT's transformer optimizer, whose shape inference has to work
+    through the If subgraphs: the same fusions as the plain ToMe export, and every call still equals
+    the compiled backend."""
     from tome_compile.export import ToMeSession, export_onnx
 
     unet, inputs = sd15
@@ -291,8 +294,12 @@ def test_plan_every_export_equals_the_compiled_backend_call_by_call(tmp_path, sd
         seq_len=7,
         atol=1e-4,
         partition_input=True,
+        optimize=optimize,
     )
     assert result.parity_max_abs is not None and result.parity_max_abs <= 1e-4  # both branches checked
+    if optimize:
+        assert result.fusions == {"LayerNormalization": 4, "MultiHeadAttention": 8,
+                                  "SkipLayerNormalization": 8}
     assert {"tome_plan_slots", "tome_plan_weights", "tome_reuse_plan"} <= set(result.optional_inputs)
     session = ToMeSession(result.path, seed=4)
     assert session.driver.plan_every == 2
@@ -346,26 +353,6 @@ def test_plan_every_export_runs_with_standard_inputs_only(tmp_path, sd15):
     assert np.array_equal(other[1], slots)  # reusing returns the plans it was given ...
     assert not np.array_equal(replanned[1], slots)  # ... planning at another step makes new ones
     assert not np.array_equal(other[0], replanned[0])
-
-
-def test_plan_every_export_optimizes_like_the_plain_tome_export(tmp_path, sd15):
-    """ORT's transformer optimizer on an export with If nodes: the same fusions as without them
-    (its shape inference works through the subgraphs), and every branch still equals PyTorch."""
-    from tome_compile.export import export_onnx
-
-    unet, _ = sd15
-    result = export_onnx(
-        copy.deepcopy(unet),
-        tmp_path / "every2.onnx",
-        ToMeConfig(ratio=0.5, plan_every=2, seed=0),
-        height=128,
-        width=128,
-        seq_len=7,
-        atol=1e-4,
-        optimize="cpu",
-    )
-    assert result.fusions == {"LayerNormalization": 4, "MultiHeadAttention": 8, "SkipLayerNormalization": 8}
-    assert result.parity_max_abs is not None and result.parity_max_abs <= 1e-4
 
 
 def test_subgraph_shape_inference_copies_only_what_the_subgraph_reads():
