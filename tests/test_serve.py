@@ -8,6 +8,7 @@ import concurrent.futures
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import torch
 
 ray = pytest.importorskip("ray")  # the test extra installs ray[serve]; skip cleanly elsewhere
 
+from tome_compile.errors import ToMeConfigError  # noqa: E402 (after the importorskip)
 from tome_compile.serve.bench import free_port, post, wait_healthy  # noqa: E402 (after the importorskip)
 from tome_compile.serve.engine import Engine, ServeSpec  # noqa: E402 (after the importorskip)
 from tome_compile.serve.request import Limits, RequestError, parse_job  # noqa: E402 (after the importorskip)
@@ -180,6 +182,59 @@ def test_not_json_is_422_and_the_server_still_serves(server):
     assert generate(base, seed=3)[0] == 200
 
 
+def test_openai_client_gets_the_same_pictures_as_generate(server):
+    """#37: OpenAI's Python client against /v1/images/generations: n pictures with seeds seed, seed+1,
+    each the bytes /generate makes for that seed; refusals are OpenAI's error object with 400."""
+    import base64
+
+    import openai
+
+    base, _, _ = server
+    before = metrics(base)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+    answer = client.images.generate(prompt="red circle", n=2, size="32x32",
+                                    extra_body={"seed": 51, "num_inference_steps": STEPS})
+    assert len(answer.data) == 2 and answer.created > 0
+    pictures = [base64.b64decode(d.b64_json) for d in answer.data]
+    assert pictures == [generate(base, seed=seed)[1] for seed in (51, 52)]
+    assert pictures[0] != pictures[1]
+    for kwargs, param, words in [
+        ({"size": "64x64"}, "size", "'64x64' is not served here; sizes are ['32x32']"),
+        ({"response_format": "url"}, "response_format", "'url' is not served"),
+        ({"n": 9}, "n", "9 must be an integer in [1, 8]"),
+        ({"extra_body": {"num_inference_steps": 0}}, "num_inference_steps", "0 is outside [1, 100]"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.images.generate(prompt="red circle", **kwargs)
+        error = caught.value.body
+        assert caught.value.status_code == 400 and error["type"] == "invalid_request_error"
+        assert error["param"] == param and words in error["message"], error
+    status, data, _ = post(base + "/generate", {"prompt": "red circle", "steps": 0})  # /generate keeps 422
+    assert status == 422 and b"steps" in data
+    # GET /metrics (Prometheus text): what this test sent, counted by endpoint, status and reason
+    grew = {k: v - before.get(k, 0.0) for k, v in metrics(base).items()}
+    images = 'endpoint="/v1/images/generations"'
+    assert grew[f'tome_serve_requests_total{{{images},status="200"}}'] == 1
+    assert grew[f'tome_serve_requests_total{{{images},status="400"}}'] == 4
+    assert grew['tome_serve_requests_total{endpoint="/generate",status="200"}'] == 2
+    assert grew['tome_serve_requests_total{endpoint="/generate",status="422"}'] == 1
+    assert grew['tome_serve_refusals_total{reason="invalid_request"}'] == 5
+    assert grew["tome_serve_pictures_total"] == 4 and grew["tome_serve_batch_requests_count"] == 4
+    assert grew["tome_serve_compute_seconds_sum"] > 0
+
+
+def metrics(base):
+    """``GET /metrics`` as {sample with its labels: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def key(sample):
+        labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+        return f"{sample.name}{{{labels}}}" if labels else sample.name
+
+    text = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
+    return {key(s): s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def test_overload_is_503_at_once_never_a_hang(server):
     base, _, _ = server
     start = time.monotonic()
@@ -316,6 +371,37 @@ def test_a_request_takes_defaults_and_keeps_its_own_fields():
             parse_job(body, LIMITS)
 
 
+def test_an_openai_request_becomes_n_jobs_checked_as_generate_checks_them():
+    from tome_compile.serve.openai_api import error_body, images_body, parse_images_request
+
+    jobs = parse_images_request({"prompt": "red circle", "n": 3, "seed": 5, "size": "32x32",
+                                 "num_inference_steps": 4, "guidance_scale": 3.0, "ratio": 0,
+                                 "response_format": "b64_json", "user": "u1", "model": "any"}, LIMITS)
+    assert [j.seed for j in jobs] == [5, 6, 7] and {j.prompt for j in jobs} == {"red circle"}
+    assert {j.settings for j in jobs} == {parse_job({"prompt": "a", "steps": 4, "guidance_scale": 3.0,
+                                                     "ratio": 0}, LIMITS).settings}
+    alone = parse_job({"prompt": "red circle"}, LIMITS)
+    assert parse_images_request({"prompt": "red circle"}, LIMITS) == [alone]
+    assert images_body([b"\x89PNG"], 7) == {"created": 7, "data": [{"b64_json": "iVBORw=="}]}
+    assert error_body("m", "size")["error"] == {"message": "m", "type": "invalid_request_error",
+                                                "param": "size", "code": None}
+    for body, param, words in [
+        ({"prompt": "a", "size": "32x48"}, "size", "sizes are ['32x32']"),
+        ({"prompt": "a", "size": 32}, "size", "32 is not served here"),
+        ({"prompt": "a", "n": 0}, "n", "must be an integer in [1, 8]"),
+        ({"prompt": "a", "n": True}, "n", "must be an integer"),
+        ({"prompt": "a", "response_format": "url"}, "response_format", "returns the pictures inline"),
+        ({"prompt": "a", "negative_prompt": "blue"}, "negative_prompt", "not supported"),
+        ({"prompt": "a", "quality": "hd"}, "quality", "not taken here"),
+        ({"prompt": "a", "num_inference_steps": 101}, "num_inference_steps", "101 is outside [1, 100]"),
+        ({"prompt": "a", "seed": 2**63 - 1, "n": 2}, "seed", "+ n - 1 is more than"),
+        ({"n": 1}, "prompt", "required"),
+    ]:
+        with pytest.raises(RequestError, match=re.escape(words)) as caught:
+            parse_images_request(body, LIMITS)
+        assert caught.value.field == param
+
+
 def test_the_application_builder_and_the_cluster_config():
     import yaml
     from ray.serve.schema import ServeDeploySchema
@@ -343,6 +429,33 @@ def test_the_application_builder_and_the_cluster_config():
     (application,) = schema.applications
     assert application.import_path == "tome_compile.serve.app:build"
     build(application.args)  # the arguments the file gives build
+
+
+def test_a_set_of_ratios_is_served_each_picture_by_its_own(capsys):
+    """#37: --ratios 0 0.3 0.5: one denoiser per ratio; a request picks one, and a loop holds only
+    requests of one ratio, so a picture is the same rendered alone or among other ratios."""
+    from tome_compile.serve.cli import _parser, main, options_from
+
+    engine = Engine(ServeSpec(ratios=(0.5, 0, 0.3), compiler="eager", batch_size=2))
+    assert engine.limits.ratios == (0.0, 0.3, 0.5) and engine.limits.default_ratio == 0.5
+    jobs = [parse_job({"prompt": "red circle", "seed": 1, "steps": 2, "ratio": r}, engine.limits)
+            for r in (0.3, 0.5, 0, 0.3)]
+    mixed = engine.render(jobs)
+    alone = [engine.render([job])[0] for job in jobs]
+    assert [m.png for m in mixed] == [a.png for a in alone]
+    assert [m.batch for m in mixed] == [2, 1, 1, 2]  # the two 0.3 requests shared a loop
+    assert len({mixed[0].png, mixed[1].png, mixed[2].png}) == 3  # three ratios, three pictures
+    with pytest.raises(RequestError, match=r"ratio: 0.4 is not served here; .* at \[0.0, 0.3, 0.5\]"):
+        parse_job({"prompt": "red circle", "ratio": 0.4}, engine.limits)
+    # the command line: --ratios is the set; with --ratio too it says which to give
+    spec, _ = options_from(_parser().parse_args(["--ratios", "0", "0.3", "0.5", "--compiler", "eager"]))
+    assert spec.served_ratios() == (0.0, 0.3, 0.5)
+    assert main(["--ratio", "0.5", "--ratios", "0", "0.5"]) == 2
+    assert "give --ratio 0.5 (served with 0) or --ratios (the whole set), not both" in capsys.readouterr().err
+    with pytest.raises(ToMeConfigError, match=r"ratios=\[0.5\]: an ONNX file serves the ratio it was"):
+        ServeSpec(onnx="x.onnx", ratios=(0.5,))
+    with pytest.raises(ToMeConfigError, match="ratio"):
+        ServeSpec(ratios=(1.5,))
 
 
 def alone_and_batched(engine, prompts):
@@ -376,6 +489,27 @@ def test_a_tome_export_is_served_alone_or_batched_alike(tmp_path):
     assert alone == batched and batched != other
     with pytest.raises(RequestError, match=r"ratio: 0 is not served here; this server merges at \[0.5\]"):
         parse_job({"prompt": "red circle", "ratio": 0}, engine.limits)
+    # #34: the same (any-size) file serves several sizes; the traced one gives the same picture
+    sizes = Engine(ServeSpec(onnx=str(path), batch_size=2, sizes=(32, 48)))
+    assert sizes.limits.sizes == (32, 48) and sizes.limits.default_size == 32
+    first = [parse_job({"prompt": "red circle", "seed": 0, "steps": 2, "size": size}, sizes.limits)
+             for size in (32, 48)]
+    assert sizes.render(first[:1])[0].png == alone
+    big = sizes.render(first[1:])[0].png
+    assert png_pixels(big).shape == (48 * 48, 3)
+    # negative: a --static file (its metadata says so) serves its traced size only, and says so
+    # instead of ignoring --sizes
+    import json
+
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)  # the weights stay in shapes.onnx.data
+    prop = next(p for p in model.metadata_props if p.key == "tome_compile")
+    prop.value = json.dumps({**json.loads(prop.value), "any_size": False})
+    onnx.save(model, str(tmp_path / "static.onnx"))
+    with pytest.raises(ToMeConfigError, match=r"sizes=\[32, 48\]: .* was exported for 32 only .*--static"):
+        Engine(ServeSpec(onnx=str(tmp_path / "static.onnx"), sizes=(32, 48)))
+    assert Engine(ServeSpec(onnx=str(tmp_path / "static.onnx"))).limits.sizes == (32,)
 
 
 def test_a_local_diffusers_pipeline_is_served_alone_or_batched_alike(tmp_path):

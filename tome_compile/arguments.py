@@ -63,8 +63,9 @@ def parse_field(cls: type, name: str, text: str) -> Any:
     if text.lower() == "none" and type(None) in options:
         return None
     kind = next(o for o in options if o is not type(None))
-    if typing.get_origin(kind) is tuple:
-        return tuple(int(v) for v in text.split(",") if v)
+    if typing.get_origin(kind) is tuple:  # tuple[int, ...] / tuple[float, ...]: "32,64"
+        item = typing.get_args(kind)[0]
+        return tuple(item(v) for v in text.split(",") if v)
     if kind is bool:
         if text.lower() not in ("true", "false", "1", "0"):
             raise ValueError(f"{name}={text!r}: give true or false")

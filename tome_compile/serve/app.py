@@ -3,12 +3,15 @@
     serve run tome_compile.serve.app:build ratio=0.5 compiler=eager     # Serve's own CLI
     tome-serve --ratio 0.5                                              # the same, with a local Ray
 
-* ``Frontend`` (no CPU reserved) checks each request (422 naming the field), forwards it to the
+* ``Frontend`` (no CPU reserved) answers ``POST /generate`` (one PNG) and OpenAI's
+  ``POST /v1/images/generations`` (``n`` base64 PNGs, OpenAI's error object with 400 where
+  ``/generate`` says 422). It checks each request (422 naming the field), forwards it to the
   model with a timeout (504), turns a full queue into 503 at once (its own count of the requests
   it has in the model, capped at what the replicas run plus ``max_queued``; Serve's
   ``max_queued_requests`` backpressure behind it) and a replica that died under the request into
-  503, and answers ``GET /healthz``. ``drain()`` (``tome-serve``'s SIGTERM) stops admitting: new
-  requests are 503 while the ones in the model finish.
+  503, and answers ``GET /healthz`` and ``GET /metrics`` (Prometheus text). ``drain()``
+  (``tome-serve``'s SIGTERM) stops admitting: new requests are 503 while the ones in the model
+  finish.
 * ``Renderer`` replicas hold an :class:`~tome_compile.serve.engine.Engine` (model compiled and
   warmed up before the replica reports ready); ``@serve.batch`` groups concurrent requests into
   one call, which runs one denoising loop per group of equal settings.
@@ -30,6 +33,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from tome_compile.serve.engine import Engine, Rendered, ServeSpec
+from tome_compile.serve.openai_api import error_body, images_body, parse_images_request
+from tome_compile.serve.outcomes import Metrics, Refused
 from tome_compile.serve.request import Job, RequestError, parse_job
 
 __all__ = ["AppOptions", "Frontend", "Renderer", "admission_limit", "build", "build_app"]
@@ -114,7 +119,8 @@ class Renderer:
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
 @serve.ingress(api)
 class Frontend:
-    """HTTP: ``POST /generate`` (JSON -> PNG) and ``GET /healthz``."""
+    """HTTP: ``POST /generate`` (JSON -> PNG), ``POST /v1/images/generations`` (OpenAI's images API)
+    and ``GET /healthz``."""
 
     def __init__(self, renderer: DeploymentHandle, timeout_s: float, admit: int) -> None:
         self.renderer = renderer
@@ -123,6 +129,7 @@ class Frontend:
         self._in_model = 0  # requests of this front end in the model (one event loop: no lock)
         self._draining = False
         self._limits: Any = None
+        self.metrics = Metrics()
 
     def drain(self) -> int:
         """Stop admitting (every new request 503, ``/healthz`` 503 ``draining``); the requests in the
@@ -138,6 +145,14 @@ class Frontend:
         if self._limits is None:
             self._limits = await self.renderer.limits.remote()
         return self._limits
+
+    @api.get("/metrics")
+    async def metrics_text(self) -> Response:
+        """This front end's counters in Prometheus' text format (Ray Serve's own metrics are on
+        Ray's metrics port)."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(content=generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
@@ -157,52 +172,100 @@ class Frontend:
     @api.post("/generate")
     async def generate(self, request: Request) -> Response:
         received = time.perf_counter()
+        try:
+            jobs = await self._admit(request, parse_job)
+            try:
+                rendered = (await self._render_all(jobs))[0]
+            finally:
+                self._in_model -= len(jobs)
+        except Refused as e:
+            self.metrics.refused("/generate", e)
+            return _error(e.status, e.message, e.retry)
+        self.metrics.answered("/generate", [rendered])
+        total = (time.perf_counter() - received) * 1000.0
+        job = jobs[0]
+        return Response(content=rendered.png, media_type="image/png", headers={
+            "X-Seed": str(rendered.seed), "X-Compute-Ms": f"{rendered.compute_ms:.1f}",
+            "X-Batch-Size": str(rendered.batch), "X-Total-Ms": f"{total:.1f}",
+            "X-Ratio": f"{job.settings.ratio:g}", "X-Steps": str(job.settings.steps)})
+
+    @api.post("/v1/images/generations")
+    async def images(self, request: Request) -> JSONResponse:
+        """OpenAI's images API: ``n`` pictures (seeds ``seed`` ...), batched with the other requests,
+        as base64 PNGs; refusals as OpenAI's error object (400 where ``/generate`` says 422)."""
+        try:
+            jobs = await self._admit(request, parse_images_request)
+            try:
+                rendered = await self._render_all(jobs)
+            finally:
+                self._in_model -= len(jobs)
+        except Refused as e:
+            e.status = 400 if e.status == 422 else e.status
+            self.metrics.refused("/v1/images/generations", e)
+            status = e.status
+            kind = "invalid_request_error" if status == 400 else "server_error"
+            return JSONResponse(error_body(e.message, e.param, e.code, kind), status_code=status,
+                                headers={"Retry-After": "1"} if e.retry else None)
+        self.metrics.answered("/v1/images/generations", rendered)
+        batch = max(r.batch for r in rendered)
+        return JSONResponse(images_body([r.png for r in rendered], int(time.time())),
+                            headers={"X-Seed": str(jobs[0].seed), "X-Batch-Size": str(batch)})
+
+    async def _admit(self, request: Request, parse: Any) -> list[Job]:
+        """The request's jobs, counted into the model (the caller counts them out), or Refused."""
         if self._draining:
-            return _error(503, "shutting down: this server takes no new requests (the ones in flight "
-                          "finish); retry on another", retry=True)
+            raise Refused(503, "shutting down: this server takes no new requests (the ones in flight "
+                           "finish); retry on another", retry=True, code="shutting_down")
         try:
             body = await request.json()
         except ValueError:
-            return _error(422, "body: not JSON; send {\"prompt\": \"...\", \"seed\": 0, ...}")
+            raise Refused(422, "body: not JSON; send {\"prompt\": \"...\", \"seed\": 0, ...}",
+                           param="body") from None
         try:
-            job = parse_job(body, await self._get_limits())
+            parsed = parse(body, await self._get_limits())
         except RequestError as e:
-            return _error(422, str(e))
+            raise Refused(422, str(e), param=e.field) from None
         except Exception as e:  # noqa: BLE001 - the replicas' limits are not reachable yet
-            return _error(503, f"the model is not ready ({type(e).__name__}); retry", retry=True)
-        if self._in_model >= self.admit:
-            return _error(503, f"overloaded: {self._in_model} requests are in the model, the limit (what "
-                          f"the replicas run + --max-queued); retry later", retry=True)
-        self._in_model += 1  # checked and counted with no await in between
-        try:
-            return await self._render(job, received)
-        finally:
-            self._in_model -= 1
+            raise Refused(503, f"the model is not ready ({type(e).__name__}); retry", retry=True,
+                           code="not_ready") from None
+        jobs = parsed if isinstance(parsed, list) else [parsed]
+        if self._in_model + len(jobs) > self.admit:
+            raise Refused(503, f"overloaded: {self._in_model} requests are in the model, the limit is "
+                           f"{self.admit} (what the replicas run + --max-queued); retry later", retry=True,
+                           code="overloaded")
+        self._in_model += len(jobs)  # checked and counted with no await in between
+        return jobs
 
-    async def _render(self, job: Job, received: float) -> Response:
+    async def _render_all(self, jobs: list[Job]) -> list[Rendered]:
+        """Every job's picture (sent together: Serve batches them with each other and the rest); the
+        first failure cancels the others."""
+        tasks = [asyncio.ensure_future(self._render(job)) for job in jobs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _render(self, job: Job) -> Rendered:
         response = self.renderer.render.remote(job)
         try:
-            rendered: Rendered = await asyncio.wait_for(self._await(response), timeout=self.timeout_s)
+            return await asyncio.wait_for(self._await(response), timeout=self.timeout_s)
         except asyncio.CancelledError:  # the client went away: the model's share of it goes too
             response.cancel()
             raise
         except asyncio.TimeoutError:
             response.cancel()
-            return _error(504, f"no picture within {self.timeout_s:g} s (the request timeout); retry later")
+            raise Refused(504, f"no picture within {self.timeout_s:g} s (the request timeout); retry later",
+                           code="timeout") from None
         except Exception as e:  # noqa: BLE001 - backpressure or a replica that died: 503, never a hang
             from ray.serve.exceptions import BackPressureError
 
             if isinstance(e, BackPressureError):
-                return _error(503, "overloaded: the queue is full; retry later", retry=True)
+                raise Refused(503, "overloaded: the queue is full; retry later", retry=True,
+                               code="overloaded") from None
             logger.warning("generate failed: %s: %s", type(e).__name__, e)
-            return _error(
-                503, f"the request failed in a model replica ({type(e).__name__}); retry", retry=True
-            )
-        total = (time.perf_counter() - received) * 1000.0
-        return Response(content=rendered.png, media_type="image/png", headers={
-            "X-Seed": str(rendered.seed), "X-Compute-Ms": f"{rendered.compute_ms:.1f}",
-            "X-Batch-Size": str(rendered.batch), "X-Total-Ms": f"{total:.1f}",
-            "X-Ratio": f"{job.settings.ratio:g}", "X-Steps": str(job.settings.steps)})
+            raise Refused(503, f"the request failed in a model replica ({type(e).__name__}); retry",
+                           retry=True, code="replica_failed") from None
 
 
 def build_app(spec: ServeSpec, options: AppOptions | None = None) -> Any:

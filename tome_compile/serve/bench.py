@@ -6,7 +6,8 @@ vs off and ToMe vs plain, side by side on one machine.
 
 For each batching setting it deploys the application on a local Ray instance (the command's own,
 stopped at the end), waits for ``/healthz``, then for ToMe (the server's ratio) and plain
-(``ratio: 0`` — the same replicas, the plain U-Net) drives ``POST /generate`` from ``c`` client
+(``ratio: 0`` — the same replicas, the plain U-Net) drives ``POST /generate`` (``--api openai``:
+``POST /v1/images/generations``) from ``c`` client
 threads over loopback, each sending ``--requests`` requests one after the other. Every request
 has its own seed. Prints a table (requests/s, p50 and p95 latency, mean batch) and writes JSON.
 """
@@ -63,8 +64,16 @@ def wait_healthy(base: str, timeout: float) -> dict[str, Any]:
     raise TimeoutError(f"{base}/healthz did not answer 200 within {timeout:g} s (last: {last})")
 
 
-def drive(base: str, clients: int, requests: int, body: dict[str, Any], seed0: int) -> dict[str, Any]:
-    """``clients`` threads each send ``requests`` requests in a row; latencies and statuses."""
+def openai_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A ``/generate`` body as the same request to ``/v1/images/generations`` (one picture)."""
+    renamed = {"steps": "num_inference_steps"}
+    return {renamed.get(k, k): v for k, v in body.items()}
+
+
+def drive(base: str, clients: int, requests: int, body: dict[str, Any], seed0: int,
+          api: str = "generate") -> dict[str, Any]:
+    """``clients`` threads each send ``requests`` requests in a row; latencies and statuses.
+    ``api="openai"``: the same requests through ``POST /v1/images/generations``."""
     latencies: list[float] = []
     batches: list[int] = []
     failures: list[int] = []
@@ -73,7 +82,11 @@ def drive(base: str, clients: int, requests: int, body: dict[str, Any], seed0: i
     def client(k: int) -> None:
         for i in range(requests):
             start = time.perf_counter()
-            status, _, headers = post(base + "/generate", {**body, "seed": seed0 + k * requests + i})
+            request = {**body, "seed": seed0 + k * requests + i}
+            if api == "openai":
+                status, _, headers = post(base + "/v1/images/generations", openai_body(request))
+            else:
+                status, _, headers = post(base + "/generate", request)
             took = time.perf_counter() - start
             with lock:
                 if status == 200:
@@ -113,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=positive_int, default=1)
     parser.add_argument("--cpus-per-replica", type=float, default=None,
                         help="default: every CPU of the machine shared by the replicas")
+    parser.add_argument("--api", default="generate", choices=["generate", "openai"],
+                        help="the endpoint driven: /generate (PNG) or /v1/images/generations (base64)")
     parser.add_argument("--json", default="serve_bench.json")
     args = parse_command_line(parser, argv)
     if isinstance(args, int):
@@ -148,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batching {batching} (batch {size}): ready in {ready_s:.0f} s ({health})", file=sys.stderr)
             for label, ratio in ((f"tome {args.ratio}", args.ratio), ("plain", 0.0)):
                 body = {"prompt": "red circle", "steps": args.steps, "ratio": ratio}
-                drive(base, 1, 2, body, seed0=10 ** 6)  # warm-up
+                drive(base, 1, 2, body, seed0=10 ** 6, api=args.api)  # warm-up
                 for clients in args.concurrency:
-                    row = drive(base, clients, args.requests, body, seed0=1000 * clients)
+                    row = drive(base, clients, args.requests, body, seed0=1000 * clients, api=args.api)
                     rows.append({"batching": batching, "batch_size": size, "variant": label, **row})
                     print(
                         f"  {label:10s} c={clients}: {row['requests_per_s']:.2f} req/s, "
@@ -163,13 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         serve.shutdown()
         ray.shutdown()
-    result = {"compiler": args.compiler, "method": args.method, "ratio": args.ratio, "steps": args.steps,
+    result = {"api": args.api, "compiler": args.compiler, "method": args.method, "ratio": args.ratio,
+              "steps": args.steps,
               "replicas": args.replicas, "requests_per_client": args.requests, "cpus": os.cpu_count(),
               "machine": platform.machine(), "rows": rows}
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
     print(
-        f"tome-serve load benchmark: shapes model, {args.steps} steps, {args.compiler}, "
+        f"tome-serve load benchmark ({args.api} API): shapes model, {args.steps} steps, {args.compiler}, "
         f"{args.replicas} replica(s), "
         f"{os.cpu_count()} CPUs; {args.requests} requests per client"
     )

@@ -43,8 +43,11 @@ def _parser() -> argparse.ArgumentParser:
         "--onnx", default=None, metavar="PATH", help="serve a tome-export file through ToMeSession"
     )
     p.add_argument(
-        "--ratio", type=float, default=0.5, help="merge ratio (requests may ask for it or 0 = plain)"
+        "--ratio", type=float, default=None, help="merge ratio, default 0.5 (requests: it or 0 = plain)"
     )
+    p.add_argument("--ratios", type=float, nargs="+", default=None, metavar="R",
+                   help="the ratios served instead, e.g. 0 0.3 0.5 (each compiled at start; a request's "
+                        "'ratio' picks one, default the largest)")
     p.add_argument("--method", default="tome", choices=METHODS)
     p.add_argument("--plan-every", type=int, default=1, metavar="K")
     p.add_argument(
@@ -93,12 +96,15 @@ def options_from(args: argparse.Namespace) -> tuple[object, object]:
         raise ToMeError(f"--max-batch-size {args.max_batch_size} is outside [1, 64] (1 = no batching)")
     if args.max_queued < 1:
         raise ToMeError(f"--max-queued {args.max_queued} must be >= 1")
+    if args.ratio is not None and args.ratios is not None:
+        raise ToMeError(f"give --ratio {args.ratio:g} (served with 0) or --ratios (the whole set), not both")
     try:
         sizes = tuple(int(v) for v in args.sizes.split(",")) if args.sizes else None
     except ValueError:
         raise ToMeError(f"--sizes {args.sizes!r}: give sizes like 32,64") from None
     # the flags carry the fields' names; only the renamed ones are given
-    spec = dataclass_from_args(ServeSpec, args, batch_size=args.max_batch_size, sizes=sizes)
+    spec = dataclass_from_args(ServeSpec, args, batch_size=args.max_batch_size, sizes=sizes,
+                               ratios=tuple(args.ratios) if args.ratios is not None else None)
     options = dataclass_from_args(AppOptions, args, cpus_per_replica=args.num_cpus_per_replica,
                                   gpus_per_replica=args.num_gpus_per_replica)
     return spec, options

@@ -45,8 +45,12 @@ class ServeSpec:
     Args:
         model: ``"shapes"`` (the shipped model), a shapes-model folder or a local diffusers
             pipeline folder (``model_index.json``).
-        onnx: serve this ``tome-export`` file through ``ToMeSession`` (its ratio, size and method).
+        onnx: serve this ``tome-export`` file through ``ToMeSession`` (its ratio and method; its
+            traced size, or every one of ``sizes`` from an any-size file).
         ratio: the merge ratio; requests may ask for it or 0 (the plain model).
+        ratios: the served ratios instead (``--ratios 0 0.3 0.5``): one denoiser each, compiled and
+            warmed up at start; a request picks one (default: the largest) and is batched only with
+            requests of the same ratio and size.
         batch_size: images per denoising loop (requests with equal settings are batched; every
             loop is padded to it). 1 = no batching.
     """
@@ -55,6 +59,7 @@ class ServeSpec:
     onnx: str | None = None
     method: str = "tome"
     ratio: float = 0.5
+    ratios: tuple[float, ...] | None = None
     plan_every: int = 1
     compiler: str = "inductor"
     batch_size: int = 4
@@ -64,6 +69,15 @@ class ServeSpec:
 
     def __post_init__(self) -> None:
         self.tome_config(self.ratio)
+        if self.ratios is not None:
+            if not self.ratios or any(isinstance(r, bool) or not isinstance(r, (int, float))
+                                      for r in self.ratios):
+                raise ToMeConfigError(f"ratios={self.ratios!r} must be merge ratios, e.g. (0, 0.3, 0.5)")
+            for r in self.ratios:
+                self.tome_config(float(r))
+            if self.onnx is not None:
+                raise ToMeConfigError(f"ratios={list(self.ratios)}: an ONNX file serves the ratio it was "
+                                      "exported with; export one file per ratio, or serve the model")
         if (
             isinstance(self.batch_size, bool)
             or not isinstance(self.batch_size, int)
@@ -73,6 +87,11 @@ class ServeSpec:
         if self.sizes is not None and (not self.sizes or any(isinstance(s, bool) or not isinstance(s, int)
                                                              or s < 8 or s % 8 for s in self.sizes)):
             raise ToMeConfigError(f"sizes={self.sizes!r} must be picture sizes, multiples of 8")
+
+    def served_ratios(self) -> tuple[float, ...]:
+        """The ratios served (0: the plain model): ``ratios``, else 0 and ``ratio``."""
+        chosen = self.ratios if self.ratios is not None else (0.0, self.ratio)
+        return tuple(sorted({float(r) for r in chosen}))
 
     def tome_config(self, ratio: float) -> ToMeConfig:
         """The ToMe settings of the denoiser that merges ``ratio`` (validated)."""
@@ -98,13 +117,9 @@ class Engine:
         self.spec = spec
         self.target = load_target(None if spec.model == "shapes" else spec.model, device=spec.device)
         if spec.onnx is not None:
-            self.denoisers, size, method = self._onnx(Path(spec.onnx))
-            sizes = (size,)
+            self.denoisers, size, method, sizes = self._onnx(Path(spec.onnx))
         else:
-            self.denoisers = {
-                0.0: self._compile(0.0),
-                **({spec.ratio: self._compile(spec.ratio)} if spec.ratio else {}),
-            }
+            self.denoisers = {ratio: self._compile(ratio) for ratio in spec.served_ratios()}
             size, method = self.target.size, spec.method
             sizes = tuple(self.spec.sizes or (size,))
         self.method = method
@@ -132,15 +147,31 @@ class Engine:
         backend = tome_backend(spec.tome_config(ratio).replace(guidance="cfg"), compiler=spec.compiler)
         return torch.compile(copy.deepcopy(self.target.unet), backend=backend, dynamic=False)
 
-    def _onnx(self, path: Path) -> tuple[dict[float, Any], int, str]:
+    def _onnx(self, path: Path) -> tuple[dict[float, Any], int, str, tuple[int, ...]]:
+        """The file's session, its traced size, method and the sizes served from it: ``sizes`` (or
+        the traced size) from an any-size file, each a multiple of what its latent takes; only the
+        traced size from a ``--static`` file."""
         from tome_compile.export.session import ToMeSession
 
         session = ToMeSession(path, seed=self.spec.seed)
         if not session.exported:
             raise ToMeModelError(f"{str(path)!r} is not a tome-export file (no tome_compile metadata)")
-        config = session.meta.config
-        ratio = float(config.get("ratio", 0.0))
-        return {ratio: session}, int(session.meta.height or 0), str(config.get("method", "tome"))
+        meta = session.meta
+        size = int(meta.height or 0)
+        sizes = tuple(self.spec.sizes or (size,))
+        if not meta.any_size:
+            if sizes != (size,):
+                raise ToMeConfigError(f"sizes={list(sizes)}: {str(path)!r} was exported for {size} only "
+                                      "(tome-export --static); export it without --static to serve several "
+                                      "sizes from one file")
+        else:
+            scale = size // int(meta.latent_hw[0]) if meta.latent_hw else 1  # pixels per latent row
+            step = int(meta.latent_multiple) * max(scale, 1)
+            if any(s % step for s in sizes):
+                raise ToMeConfigError(f"sizes={list(sizes)}: {str(path)!r} takes picture sizes in multiples "
+                                      f"of {step} (its U-Net's downsampling); e.g. {size} or {size + step}")
+        ratio = float(meta.config.get("ratio", 0.0))
+        return {ratio: session}, size, str(meta.config.get("method", "tome")), sizes
 
     def warm_up(self) -> float:
         """One loop per denoiser at every served size (the compiles): seconds taken."""
