@@ -452,6 +452,8 @@ def test_a_set_of_ratios_is_served_each_picture_by_its_own(capsys):
     assert spec.served_ratios() == (0.0, 0.3, 0.5)
     assert main(["--ratio", "0.5", "--ratios", "0", "0.5"]) == 2
     assert "give --ratio 0.5 (served with 0) or --ratios (the whole set), not both" in capsys.readouterr().err
+    assert main(["--drain-timeout-s", "-1"]) == 2
+    assert "--drain-timeout-s -1.0 must be >= 0" in capsys.readouterr().err
     with pytest.raises(ToMeConfigError, match=r"ratios=\[0.5\]: an ONNX file serves the ratio it was"):
         ServeSpec(onnx="x.onnx", ratios=(0.5,))
     with pytest.raises(ToMeConfigError, match="ratio"):

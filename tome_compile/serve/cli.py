@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-wait-ms", type=float, default=20.0, help="how long a batch waits to fill up")
     p.add_argument("--max-queued", type=int, default=32, help="queued requests before 503 (overload)")
     p.add_argument("--request-timeout-s", type=float, default=120.0, help="per request, then 504")
+    p.add_argument("--drain-timeout-s", type=float, default=None,
+                   help="on SIGTERM, how long the requests in flight may take to finish before the server "
+                        "stops (default: --request-timeout-s + 5)")
     p.add_argument("--num-cpus-per-replica", type=float, default=1.0)
     p.add_argument("--num-gpus-per-replica", type=float, default=0.0)
     p.add_argument("--host", default="127.0.0.1")
@@ -89,7 +92,10 @@ def options_from(args: argparse.Namespace) -> tuple[object, object]:
         )
     if args.replicas < 1:
         raise ToMeError(f"--replicas {args.replicas} must be >= 1")
-    for name in ("batch_wait_ms", "request_timeout_s", "num_cpus_per_replica", "num_gpus_per_replica"):
+    for name in ("batch_wait_ms", "request_timeout_s", "num_cpus_per_replica", "num_gpus_per_replica",
+                 "drain_timeout_s"):
+        if getattr(args, name) is None:
+            continue
         if getattr(args, name) < 0:
             raise ToMeError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
     if not 1 <= args.max_batch_size <= 64:
@@ -161,12 +167,13 @@ def _serve(args: argparse.Namespace, spec: object, options: object) -> int:
         serving.set()
         if not stop.is_set():
             print(
-                f"tome-serve: serving on http://{args.host}:{args.port} — POST /generate, GET /healthz "
+                f"tome-serve: serving on http://{args.host}:{args.port} — POST /generate, "
+                "POST /v1/images/generations, GET /healthz, GET /metrics "
                 f"({'Ray cluster ' + address if address else 'local Ray'}); Ctrl-C or SIGTERM to stop",
                 flush=True,
             )
         stop.wait()
-        _drain(options.request_timeout_s + 5)
+        _drain(args.drain_timeout_s if args.drain_timeout_s is not None else options.request_timeout_s + 5)
         print("tome-serve: stopping", flush=True)
         return 0
     except KeyboardInterrupt:
