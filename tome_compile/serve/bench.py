@@ -71,9 +71,10 @@ def openai_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def drive(base: str, clients: int, requests: int, body: dict[str, Any], seed0: int,
-          api: str = "generate") -> dict[str, Any]:
+          api: str = "generate", n: int = 1) -> dict[str, Any]:
     """``clients`` threads each send ``requests`` requests in a row; latencies and statuses.
-    ``api="openai"``: the same requests through ``POST /v1/images/generations``."""
+    ``api="openai"``: the same requests through ``POST /v1/images/generations``, ``n`` pictures each
+    (seeds ``seed`` .. ``seed + n - 1``)."""
     latencies: list[float] = []
     batches: list[int] = []
     failures: list[int] = []
@@ -82,9 +83,9 @@ def drive(base: str, clients: int, requests: int, body: dict[str, Any], seed0: i
     def client(k: int) -> None:
         for i in range(requests):
             start = time.perf_counter()
-            request = {**body, "seed": seed0 + k * requests + i}
+            request = {**body, "seed": seed0 + (k * requests + i) * n}
             if api == "openai":
-                status, _, headers = post(base + "/v1/images/generations", openai_body(request))
+                status, _, headers = post(base + "/v1/images/generations", {**openai_body(request), "n": n})
             else:
                 status, _, headers = post(base + "/generate", request)
             took = time.perf_counter() - start
@@ -105,7 +106,8 @@ def drive(base: str, clients: int, requests: int, body: dict[str, Any], seed0: i
     ordered = sorted(latencies)
     p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))] if ordered else float("nan")
     return {"clients": clients, "requests": clients * requests, "ok": len(latencies), "failures": failures,
-            "wall_s": wall, "requests_per_s": len(latencies) / wall if wall else 0.0,
+            "wall_s": wall, "requests_per_s": len(latencies) / wall if wall else 0.0, "n": n,
+            "images_per_s": n * len(latencies) / wall if wall else 0.0,
             "p50_s": statistics.median(ordered) if ordered else float("nan"), "p95_s": p95,
             "mean_batch": statistics.mean(batches) if batches else 0.0}
 
@@ -128,10 +130,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: every CPU of the machine shared by the replicas")
     parser.add_argument("--api", default="generate", choices=["generate", "openai"],
                         help="the endpoint driven: /generate (PNG) or /v1/images/generations (base64)")
+    parser.add_argument("--n", type=positive_int, default=1,
+                        help="with --api openai: pictures per request (OpenAI's n)")
     parser.add_argument("--json", default="serve_bench.json")
     args = parse_command_line(parser, argv)
     if isinstance(args, int):
         return args
+    if args.n > 1 and args.api != "openai":
+        print("error: --n is OpenAI's n: give --api openai too", file=sys.stderr)
+        return 2
 
     import ray
     from ray import serve
@@ -163,12 +170,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batching {batching} (batch {size}): ready in {ready_s:.0f} s ({health})", file=sys.stderr)
             for label, ratio in ((f"tome {args.ratio}", args.ratio), ("plain", 0.0)):
                 body = {"prompt": "red circle", "steps": args.steps, "ratio": ratio}
-                drive(base, 1, 2, body, seed0=10 ** 6, api=args.api)  # warm-up
+                drive(base, 1, 2, body, seed0=10 ** 6, api=args.api, n=args.n)  # warm-up
                 for clients in args.concurrency:
-                    row = drive(base, clients, args.requests, body, seed0=1000 * clients, api=args.api)
+                    row = drive(base, clients, args.requests, body, seed0=1000 * clients, api=args.api,
+                                n=args.n)
                     rows.append({"batching": batching, "batch_size": size, "variant": label, **row})
                     print(
-                        f"  {label:10s} c={clients}: {row['requests_per_s']:.2f} req/s, "
+                        f"  {label:10s} c={clients}: {row['requests_per_s']:.2f} req/s "
+                        f"({row['images_per_s']:.2f} images/s), "
                         f"p50 {row['p50_s']:.2f} s, "
                         f"p95 {row['p95_s']:.2f} s, mean batch {row['mean_batch']:.1f}, "
                         f"failures {row['failures']}",
@@ -178,23 +187,24 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         serve.shutdown()
         ray.shutdown()
-    result = {"api": args.api, "compiler": args.compiler, "method": args.method, "ratio": args.ratio,
-              "steps": args.steps,
+    result = {"api": args.api, "n": args.n, "compiler": args.compiler, "method": args.method,
+              "ratio": args.ratio, "steps": args.steps,
               "replicas": args.replicas, "requests_per_client": args.requests, "cpus": os.cpu_count(),
               "machine": platform.machine(), "rows": rows}
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
     print(
-        f"tome-serve load benchmark ({args.api} API): shapes model, {args.steps} steps, {args.compiler}, "
+        f"tome-serve load benchmark ({args.api} API, {args.n} picture(s) per request): shapes model, "
+        f"{args.steps} steps, {args.compiler}, "
         f"{args.replicas} replica(s), "
         f"{os.cpu_count()} CPUs; {args.requests} requests per client"
     )
-    print("| batching | variant | clients | requests/s | p50 latency | p95 latency | mean batch |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| batching | variant | clients | requests/s | images/s | p50 latency | p95 latency | mean batch |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['batching']} ({r['batch_size']}) | {r['variant']} | {r['clients']} | "
-            f"{r['requests_per_s']:.2f} | "
+            f"{r['requests_per_s']:.2f} | {r['images_per_s']:.2f} | "
             f"{r['p50_s']:.2f} s | {r['p95_s']:.2f} s | {r['mean_batch']:.1f} |"
         )
     print(f"wrote {args.json}")
