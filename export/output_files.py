@@ -27,7 +27,7 @@ def check_output_path(out: str | Path, force: bool) -> Path:
     out = Path(out)
     if out.suffix != ".onnx":
         raise ToMeExportError(f"output {str(out)!r} must end in .onnx")
-    parent = out.parent if str(out.parent) else Path(".")
+    parent = out.parent  # "." for a bare file name
     if not parent.is_dir():
         raise ToMeExportError(f"output folder {str(parent)!r} does not exist; create it first")
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -45,7 +45,7 @@ def partial_prefix(out: Path) -> str:
 def sweep_stale_partials(out: Path) -> list[Path]:
     """Remove temp folders of earlier exports to ``out`` whose process is gone (killed for memory,
     SIGKILL): ``.OUT.partial-PID-*``. Folders of a live export are left alone. Returns the removed."""
-    parent = out.parent if str(out.parent) else Path(".")
+    parent = out.parent  # "." for a bare file name
     removed = []
     for folder in parent.glob(partial_prefix(out) + "*"):
         pid_text = folder.name[len(partial_prefix(out)):].split("-", 1)[0]
@@ -81,7 +81,7 @@ def write_error(error: BaseException, folder: Path) -> ToMeExportError:
 
 
 def temp_folder(out: Path) -> Path:
-    parent = out.parent if str(out.parent) else Path(".")
+    parent = out.parent  # "." for a bare file name
     sweep_stale_partials(out)
     try:  # the pid in the name tells a later export whether this folder's writer is still alive
         return Path(tempfile.mkdtemp(prefix=f"{partial_prefix(out)}{os.getpid()}-", dir=parent))
@@ -93,7 +93,7 @@ def remove_temp_folder(out: Path, tmp: Path | None) -> None:
     """Remove this export's temp folder, with SIGTERM / SIGINT held until it is gone. ``tmp=None``
     (a signal arrived between the folder's creation and its path reaching the caller): remove every
     ``.OUT.partial-PID-*`` of this process."""
-    parent = out.parent if str(out.parent) else Path(".")
+    parent = out.parent  # "." for a bare file name
     with signals_held():
         for folder in [tmp] if tmp is not None else parent.glob(f"{partial_prefix(out)}{os.getpid()}-*"):
             shutil.rmtree(folder, ignore_errors=True)

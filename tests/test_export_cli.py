@@ -86,18 +86,7 @@ def test_cli_rejects_opsets_the_exporter_cannot_write(tmp_path, sd15_folder, cap
     (["--batch", "0"], "--batch 0"),
 ])
 def test_cli_bad_input(tmp_path, sd15_folder, capsys, argv, words):
-    args = [
-        str(tmp_path / "bad.onnx"),
-        "--model",
-        str(sd15_folder),
-        "--height",
-        str(HW),
-        "--width",
-        str(HW),
-        "--seq-len",
-        "7",
-    ]
-    code = main(args + argv)
+    code = main([str(tmp_path / "bad.onnx")] + _base(sd15_folder) + argv)
     err = capsys.readouterr().err
     assert code == 2
     assert words in err and err.startswith("tome-export: error:") and "Traceback" not in err

@@ -173,15 +173,10 @@ class Frontend:
     async def generate(self, request: Request) -> Response:
         received = time.perf_counter()
         try:
-            jobs = await self._admit(request, parse_job)
-            try:
-                rendered = (await self._render_all(jobs))[0]
-            finally:
-                self._in_model -= len(jobs)
+            jobs, (rendered,) = await self._pictures(request, lambda body, limits: [parse_job(body, limits)],
+                                                     "/generate", invalid_status=422)
         except Refused as e:
-            self.metrics.refused("/generate", e)
             return _error(e.status, e.message, e.retry)
-        self.metrics.answered("/generate", [rendered])
         total = (time.perf_counter() - received) * 1000.0
         job = jobs[0]
         return Response(content=rendered.png, media_type="image/png", headers={
@@ -194,41 +189,50 @@ class Frontend:
         """OpenAI's images API: ``n`` pictures (seeds ``seed`` ...), batched with the other requests,
         as base64 PNGs; refusals as OpenAI's error object (400 where ``/generate`` says 422)."""
         try:
-            jobs = await self._admit(request, parse_images_request)
+            jobs, rendered = await self._pictures(request, parse_images_request, "/v1/images/generations",
+                                                  invalid_status=400)
+        except Refused as e:
+            kind = "invalid_request_error" if e.status == 400 else "server_error"
+            return JSONResponse(error_body(e.message, e.param, e.code, kind), status_code=e.status,
+                                headers={"Retry-After": "1"} if e.retry else None)
+        batch = max(r.batch for r in rendered)
+        return JSONResponse(images_body([r.png for r in rendered], int(time.time())),
+                            headers={"X-Seed": str(jobs[0].seed), "X-Batch-Size": str(batch)})
+
+    async def _pictures(self, request: Request, parse: Any, endpoint: str, *, invalid_status: int
+                        ) -> tuple[list[Job], list[Rendered]]:
+        """One request admitted, rendered and counted (metrics): its jobs and their pictures, or
+        :class:`Refused` (``invalid_status`` for a request that fails its checks)."""
+        try:
+            jobs = await self._admit(request, parse, invalid_status)
             try:
                 rendered = await self._render_all(jobs)
             finally:
                 self._in_model -= len(jobs)
         except Refused as e:
-            e.status = 400 if e.status == 422 else e.status
-            self.metrics.refused("/v1/images/generations", e)
-            status = e.status
-            kind = "invalid_request_error" if status == 400 else "server_error"
-            return JSONResponse(error_body(e.message, e.param, e.code, kind), status_code=status,
-                                headers={"Retry-After": "1"} if e.retry else None)
-        self.metrics.answered("/v1/images/generations", rendered)
-        batch = max(r.batch for r in rendered)
-        return JSONResponse(images_body([r.png for r in rendered], int(time.time())),
-                            headers={"X-Seed": str(jobs[0].seed), "X-Batch-Size": str(batch)})
+            self.metrics.refused(endpoint, e)
+            raise
+        self.metrics.answered(endpoint, rendered)
+        return jobs, rendered
 
-    async def _admit(self, request: Request, parse: Any) -> list[Job]:
-        """The request's jobs, counted into the model (the caller counts them out), or Refused."""
+    async def _admit(self, request: Request, parse: Any, invalid_status: int) -> list[Job]:
+        """The request's jobs (``parse(body, limits)``), counted into the model (the caller counts
+        them out), or Refused."""
         if self._draining:
             raise Refused(503, "shutting down: this server takes no new requests (the ones in flight "
                            "finish); retry on another", retry=True, code="shutting_down")
         try:
             body = await request.json()
         except ValueError:
-            raise Refused(422, "body: not JSON; send {\"prompt\": \"...\", \"seed\": 0, ...}",
-                           param="body") from None
+            raise Refused(invalid_status, "body: not JSON; send {\"prompt\": \"...\", \"seed\": 0, ...}",
+                          param="body") from None
         try:
-            parsed = parse(body, await self._get_limits())
+            jobs = parse(body, await self._get_limits())
         except RequestError as e:
-            raise Refused(422, str(e), param=e.field) from None
+            raise Refused(invalid_status, str(e), param=e.field) from None
         except Exception as e:  # noqa: BLE001 - the replicas' limits are not reachable yet
             raise Refused(503, f"the model is not ready ({type(e).__name__}); retry", retry=True,
                            code="not_ready") from None
-        jobs = parsed if isinstance(parsed, list) else [parsed]
         if self._in_model + len(jobs) > self.admit:
             raise Refused(503, f"overloaded: {self._in_model} requests are in the model, the limit is "
                            f"{self.admit} (what the replicas run + --max-queued); retry later", retry=True,

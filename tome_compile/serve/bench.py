@@ -66,8 +66,10 @@ def wait_healthy(base: str, timeout: float) -> dict[str, Any]:
 
 def openai_body(body: dict[str, Any]) -> dict[str, Any]:
     """A ``/generate`` body as the same request to ``/v1/images/generations`` (one picture)."""
-    renamed = {"steps": "num_inference_steps"}
-    return {renamed.get(k, k): v for k, v in body.items()}
+    from tome_compile.serve.openai_api import RENAMED
+
+    ours_to_openai = {ours: theirs for theirs, ours in RENAMED.items()}
+    return {ours_to_openai.get(k, k): v for k, v in body.items()}
 
 
 def drive(base: str, clients: int, requests: int, body: dict[str, Any], seed0: int,

@@ -16,13 +16,13 @@ from typing import Any
 
 from tome_compile.serve.request import MAX_SEED, Job, Limits, RequestError, parse_job
 
-__all__ = ["MAX_N", "OPENAI_FIELDS", "error_body", "images_body", "parse_images_request"]
+__all__ = ["MAX_N", "OPENAI_FIELDS", "RENAMED", "error_body", "images_body", "parse_images_request"]
 
 OPENAI_FIELDS = ("prompt", "n", "size", "response_format", "user", "model", "seed", "num_inference_steps",
                  "guidance_scale", "negative_prompt", "ratio")
 MAX_N = 8
 # our /generate names for the extensions spelled otherwise here
-_RENAMED = {"num_inference_steps": "steps"}
+RENAMED = {"num_inference_steps": "steps"}
 
 
 def error_body(message: str, param: str | None = None, code: str | None = None,
@@ -72,11 +72,11 @@ def parse_images_request(body: Any, limits: Limits) -> list[Job]:
         ours["size"] = int(match[1])
     for name in ("seed", "num_inference_steps", "guidance_scale", "ratio"):
         if body.get(name) is not None:
-            ours[_RENAMED.get(name, name)] = body[name]
+            ours[RENAMED.get(name, name)] = body[name]
     try:
         first = parse_job(ours, limits)
     except RequestError as e:  # the field under its name here
-        name = next((k for k, v in _RENAMED.items() if v == e.field), e.field)
+        name = next((k for k, v in RENAMED.items() if v == e.field), e.field)
         raise RequestError(name, str(e).split(": ", 1)[1]) from None
     if first.seed + n - 1 > MAX_SEED:
         raise RequestError("seed", f"{first.seed} + n - 1 is more than {MAX_SEED}")
