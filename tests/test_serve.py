@@ -221,6 +221,19 @@ def test_openai_client_gets_the_same_pictures_as_generate(server):
     assert grew['tome_serve_refusals_total{reason="invalid_request"}'] == 5
     assert grew["tome_serve_pictures_total"] == 4 and grew["tome_serve_batch_requests_count"] == 4
     assert grew["tome_serve_compute_seconds_sum"] > 0
+    # and Ray Serve's own metrics beside ours (Ray pushes them every few seconds)
+    deadline, ray_serve = time.monotonic() + 60, {}
+    while time.monotonic() < deadline:
+        now = metrics(base)
+        ray_serve = {k: v for k, v in now.items()
+                     if k.startswith("ray_serve_") and 'deployment="Renderer"' in k}
+        if ray_serve:
+            break
+        time.sleep(2)
+    assert now['tome_serve_ray_nodes_scraped{outcome="ok"}'] == 1
+    assert now['tome_serve_ray_nodes_scraped{outcome="failed"}'] == 0
+    requests = [v for k, v in ray_serve.items() if k.startswith("ray_serve_deployment_request_counter")]
+    assert requests and max(requests) >= 1, sorted(ray_serve)[:20]
 
 
 def metrics(base):
@@ -233,6 +246,55 @@ def metrics(base):
 
     text = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
     return {key(s): s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_ray_serves_metrics_are_merged_from_every_node_and_a_silent_node_is_counted():
+    """RayServeMetrics without Ray: two nodes' texts (a Ray node's export port, stood in by a local
+    HTTP server) give one family per ray_serve_ name with both nodes' samples; other Ray metrics are
+    dropped; a node that does not answer is counted as failed, not raised."""
+    import http.server
+    import threading
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tome_compile.serve.outcomes import RayServeMetrics
+
+    def text(node):
+        return (f"# HELP ray_serve_deployment_request_counter_total requests\n"
+                f"# TYPE ray_serve_deployment_request_counter_total counter\n"
+                f'ray_serve_deployment_request_counter_total{{deployment="Renderer",node="{node}"}} 3.0\n'
+                f"# HELP ray_grpc_server_req_total grpc\n# TYPE ray_grpc_server_req_total counter\n"
+                f'ray_grpc_server_req_total{{node="{node}"}} 9.0\n')
+
+    class Node(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = text(self.server.server_port).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    nodes = [http.server.HTTPServer(("127.0.0.1", 0), Node) for _ in range(2)]
+    for node in nodes:
+        threading.Thread(target=node.serve_forever, daemon=True).start()
+    try:
+        ports = [("127.0.0.1", n.server_port) for n in nodes] + [("127.0.0.1", free_port())]
+        registry = CollectorRegistry()
+        registry.register(RayServeMetrics(lambda: ports, timeout_s=2.0))
+        families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    finally:
+        for node in nodes:
+            node.shutdown()
+            node.server_close()
+    counter = families["ray_serve_deployment_request_counter"]
+    assert sorted(s.labels["node"] for s in counter.samples) == sorted(str(n.server_port) for n in nodes)
+    assert not any(name.startswith("ray_grpc") for name in families)
+    scraped = {s.labels["outcome"]: s.value for s in families["tome_serve_ray_nodes_scraped"].samples}
+    assert scraped == {"ok": 2, "failed": 1}
 
 
 def test_overload_is_503_at_once_never_a_hang(server):

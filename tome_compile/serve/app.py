@@ -34,7 +34,7 @@ from ray.serve.handle import DeploymentHandle
 
 from tome_compile.serve.engine import Engine, Rendered, ServeSpec
 from tome_compile.serve.openai_api import error_body, images_body, parse_images_request
-from tome_compile.serve.outcomes import Metrics, Refused
+from tome_compile.serve.outcomes import Metrics, RayServeMetrics, Refused
 from tome_compile.serve.request import Job, RequestError, parse_job
 
 __all__ = ["AppOptions", "Frontend", "Renderer", "admission_limit", "build", "build_app"]
@@ -130,6 +130,7 @@ class Frontend:
         self._draining = False
         self._limits: Any = None
         self.metrics = Metrics()
+        self.metrics.registry.register(RayServeMetrics())
 
     def drain(self) -> int:
         """Stop admitting (every new request 503, ``/healthz`` 503 ``draining``); the requests in the
@@ -148,11 +149,13 @@ class Frontend:
 
     @api.get("/metrics")
     async def metrics_text(self) -> Response:
-        """This front end's counters in Prometheus' text format (Ray Serve's own metrics are on
-        Ray's metrics port)."""
+        """This front end's counters and Ray Serve's own metrics (``ray_serve_*``, read from Ray's
+        metrics ports when scraped) in Prometheus' text format."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        return Response(content=generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # a thread: Ray's metrics are read over HTTP, and this loop answers the other requests
+        text = await asyncio.to_thread(generate_latest, self.metrics.registry)
+        return Response(content=text, media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:

@@ -7,9 +7,15 @@ deployment classes to their replicas pickled)."""
 
 from __future__ import annotations
 
+import logging
+import urllib.request
+from typing import Any, Callable, Iterator
+
 from tome_compile.serve.engine import Rendered
 
-__all__ = ["Metrics", "Refused"]
+__all__ = ["Metrics", "RayServeMetrics", "Refused"]
+
+logger = logging.getLogger("tome_compile.serve")
 
 
 class Metrics:
@@ -41,6 +47,60 @@ class Metrics:
     def refused(self, endpoint: str, error: Refused) -> None:
         self.requests.labels(endpoint, str(error.status)).inc()
         self.refusals.labels(error.code or "invalid_request").inc()
+
+
+class RayServeMetrics:
+    """Ray Serve's own metrics (``ray_serve_*``: requests, latencies, queue lengths and replicas per
+    deployment) on our ``/metrics``: a prometheus_client collector that reads each live Ray node's
+    metrics export port when scraped and keeps the ``ray_serve_`` families, samples of all nodes in
+    one family each. ``tome_serve_ray_nodes_scraped{outcome}`` says how many nodes answered: Ray
+    Serve pushes its metrics every few seconds, so a fresh server has none yet.
+
+    ``nodes`` gives the (host, port) pairs to read; by default Ray's live nodes."""
+
+    PREFIX = "ray_serve_"
+
+    def __init__(self, nodes: Callable[[], list[tuple[str, int]]] | None = None,
+                 timeout_s: float = 2.0) -> None:
+        self.nodes = nodes or _ray_metrics_ports
+        self.timeout_s = timeout_s
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.parser import text_string_to_metric_families
+
+        families: dict[str, Any] = {}
+        outcome = {"ok": 0, "failed": 0}
+        for host, port in self.nodes():
+            try:
+                with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=self.timeout_s) as r:
+                    text = r.read().decode()
+            except OSError as e:
+                logger.warning("Ray's metrics on %s:%d did not answer: %s", host, port, e)
+                outcome["failed"] += 1
+                continue
+            outcome["ok"] += 1
+            for family in text_string_to_metric_families(text):
+                if not family.name.startswith(self.PREFIX):
+                    continue
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        yield from families.values()
+        scraped = GaugeMetricFamily("tome_serve_ray_nodes_scraped", "Ray nodes whose metrics (ray_serve_*) "
+                                    "this scrape read, by outcome", labels=["outcome"])
+        for name, count in outcome.items():
+            scraped.add_metric([name], count)
+        yield scraped
+
+
+def _ray_metrics_ports() -> list[tuple[str, int]]:
+    """Each live Ray node's metrics export port (Prometheus text)."""
+    import ray
+
+    return [(n["NodeManagerAddress"], int(n["MetricsExportPort"])) for n in ray.nodes()
+            if n.get("Alive") and n.get("MetricsExportPort")]
 
 
 class Refused(Exception):
