@@ -116,8 +116,9 @@ def _dynamic_shapes(run: _Run) -> tuple[Any, ...] | None:
     for spec in run.result.inputs:
         has_batch = batch is not None and spec.batch_axis is not None
         axes[spec.name] = {spec.batch_axis: batch} if has_batch else {}
-        if spec.draw == "importance" and run.sizes:  # the map [P, H, W]: the latent's height and width
-            axes[spec.name].update({1: run.sizes["height"], 2: run.sizes["width"]})
+        if spec.draw == "importance" and run.sizes:  # the map [P, H, W]: the latent's size, in axes of
+            # its own (merge.fit_importance resizes it to the latent's: no size is read off the map)
+            axes[spec.name].update({1: run.sizes["map_height"], 2: run.sizes["map_width"]})
     return tuple(axes.get(name) or None for name in run.input_names)
 
 

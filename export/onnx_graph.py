@@ -134,6 +134,8 @@ AXIS_NAMES = {
     "encoder_hidden_states": ("batch_size", "sequence_length", None),
     "text_embeds": ("batch_size", None),
     "time_ids": ("batch_size", None),
+    # the latent's size, in axes of its own: a client that feeds no map gets the traced-size default
+    "tome_importance": (None, "importance_height", "importance_width"),
 }
 
 

@@ -214,7 +214,7 @@ class ToMeSession:
         ):
             fixed = ("the batch of importance exports is fixed; export again for another"
                      if self.meta.any_size else "the image size and text length are fixed per export "
-                     "(--static, and the --partition-input / --plan-every / importance / video / DiT / "
+                     "(--static, and the --partition-input / --plan-every / video / DiT / "
                      "multi-view forms), and the batch of importance exports; export again for another")
             raise ToMeExportError(f"{name} has shape {shape}, this export takes {tuple(want)} ({fixed})")
         multiple = int(self.meta.latent_multiple or 1)

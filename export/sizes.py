@@ -22,15 +22,13 @@ logger = logging.getLogger("tome_compile.export")
 
 def any_size_export(family: ModelFamily, config: ToMeConfig, o: Any) -> bool:
     """Whether this export takes every image size: an image U-Net's, unless asked for a fixed size or
-    its extra inputs are sized per export (a drawn partition; plan_every's plan state)."""
+    its extra inputs are sized per export (a drawn partition; plan_every's plan state). Importance
+    merging's file takes every size too (its map input [pairs, H, W] follows the latent), in the
+    batch it was exported for."""
     if o.static or not family.any_size:
         return False
-    importance = config.method == "importance" and config.enabled
-    if o.partition_input or config.reuses_plans or importance:
-        # importance's two plans per block (ONNX If) with symbolic sizes: the capture took 7 minutes
-        # on the tiny test U-Net (40 s fixed); not shipped until that is brought down
-        form = ("--partition-input" if o.partition_input else "--plan-every" if config.reuses_plans
-                else "--method importance")
+    if o.partition_input or config.reuses_plans:
+        form = "--partition-input" if o.partition_input else "--plan-every"
         logger.warning("the %s export keeps its traced image size and text length; export again for "
                        "another size", form)
         return False

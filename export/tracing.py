@@ -150,7 +150,9 @@ def size_axes(multiple: int, max_latent: int = 1024) -> dict[str, Any]:
     dim = torch.export.Dim
     return {"height": multiple * dim("latent_height_div", min=1, max=max(1, max_latent // multiple)),
             "width": multiple * dim("latent_width_div", min=1, max=max(1, max_latent // multiple)),
-            "text": dim("text_length", min=1, max=4096)}
+            "text": dim("text_length", min=1, max=4096),
+            "map_height": dim("importance_height", min=1, max=max_latent),
+            "map_width": dim("importance_width", min=1, max=max_latent)}
 
 
 def dynamic_axes(name: str, batch: Any, sizes: dict[str, Any] | None) -> dict[int, Any]:

@@ -234,6 +234,7 @@ def test_importance_export_matches_compiled_path(tmp_path, unet):
         got = session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
         assert (got - call(compiled, inputs)).abs().max() < 1e-4
         assert torch.allclose(session.importance.map, backend.importance.map, atol=1e-5)
+        backend.importance.map = session.importance.map.clone()  # one map for the next plans (near-ties)
     assert session.importance.calls == 3
 
 
@@ -264,6 +265,49 @@ def test_importance_default_export_runs_with_standard_inputs(tmp_path, unet):
     for t in (999, 900):
         tome_session(inputs.sample, t, inputs.encoder_hidden_states)
     assert tome_session.importance.calls == 2 and tome_session.importance.map is not None
+
+
+def test_importance_export_takes_every_size_call_by_call(tmp_path, unet):
+    """#34: importance merging's file takes every image size (its map [pairs, H, W] follows the
+    latent; both plans of each block are computed from the call's shapes inside the If): through
+    ToMeSession at two sizes, one non-square, call by call equal to the backend, map included;
+    a size the U-Net cannot take is refused in one line."""
+    config = ToMeConfig(ratio=0.5, method="importance", use_rand=False)
+    result = export_onnx(copy.deepcopy(unet), tmp_path / "imp.onnx", config, height=HW, width=HW, seq_len=7,
+                         atol=1e-4)
+    model = onnx.load(str(result.path), load_external_data=False)
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+            for i in model.graph.input}
+    assert dims["sample"] == [2, 4, "height", "width"]
+    assert dims["tome_importance"] == [1, "importance_height", "importance_width"]
+    assert dims["encoder_hidden_states"] == [2, "sequence_length", 32]
+    assert sum(n.op_type == "If" for n in model.graph.node) == 3  # one per rewritten site
+    session = ToMeSession(result.path, seed=0)
+    assert session.meta.any_size
+    for hw in ((16, 16), (24, 16)):
+        backend = tome_backend(config, compiler="eager")
+        compiled = torch.compile(copy.deepcopy(unet), backend=backend, fullgraph=True)
+        inputs = tiny_inputs(unet, hw=hw)
+        plain = call(unet, inputs)
+        for t in (999, 900, 800):  # step 1: ToMe fallback; then the previous step's map at this size
+            inputs.timestep = torch.tensor(t)
+            got = session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
+            assert got.shape == plain.shape and (got - call(compiled, inputs)).abs().max() < 1e-4
+            assert session.importance.map.shape == (1, *hw)
+            assert torch.allclose(session.importance.map, backend.importance.map, atol=1e-5)
+            backend.importance.map = session.importance.map.clone()  # one map for the next plans (near-ties)
+        assert (got - call(unet, inputs)).abs().max() > 1e-3  # merged at this size too
+    # a client that feeds no map (diffusers' ONNX pipeline) at the other size: the ToMe branch,
+    # sized by the call (not by the traced-size default map), as ToMeSession's first step
+    first = ToMeSession(result.path, seed=0)(inputs.sample, 999, inputs.encoder_hidden_states).sample
+    feed = {"sample": inputs.sample.numpy(), "timestep": np.array([999.0], np.float32),
+            "encoder_hidden_states": inputs.encoder_hidden_states.numpy()}
+    assert np.abs(ort_session(result.path).run(None, feed)[0] - first.numpy()).max() < 1e-5
+    inputs = tiny_inputs(unet, hw=(17, 16))
+    with pytest.raises(ToMeExportError, match="multiples of 2"):
+        session(inputs.sample, 999, inputs.encoder_hidden_states)
+    with pytest.raises(ToMeExportError, match="batch of importance exports is fixed"):
+        session(inputs.sample[:1, :, :16], 999, inputs.encoder_hidden_states[:1])
 
 
 def test_lcm_timestep_cond_is_an_input_of_its_family(tmp_path):

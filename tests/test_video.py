@@ -198,6 +198,11 @@ def test_onnx_runtime_equals_the_compiled_backend_call_by_call(tmp_path, kind, m
         kwargs["timestep"] = torch.tensor(t)
         got, expected = session(sample, **kwargs).sample, run(model, sample, kwargs)
         assert got.shape == expected.shape and (got - expected).abs().max() < 1e-4
+        if method == "importance":
+            assert torch.allclose(session.importance.map, backend.importance.map, atol=1e-5)
+            # the next plans from one map: the two maps differ by float noise (~1e-6), enough to
+            # reorder near-equal scores and merge other tokens (0.005 apart at step 3 here)
+            backend.importance.map = session.importance.map.clone()
     if method == "importance":
         assert torch.allclose(session.importance.map, backend.importance.map, atol=1e-5)
         assert session.importance.map.shape == (3, 16, 16)

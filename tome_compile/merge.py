@@ -132,7 +132,10 @@ def _plan_from_matches(
     # a shape-only ``arange(...).expand(b, n)`` / ``zeros`` / ``empty`` is the same expression in
     # every block with these sizes, which the ONNX exporter and ONNX Runtime's CSE compute once
     # and keep alive from the first block of the U-Net to the last (at the peak of an ORT call).
-    none = best_dst.narrow(1, 0, 1) * 0  # [B, 1] zeros of this block (exactly 1 column)
+    # [B, 1] zeros of this block: a sum, whose one column is static (a one-column slice of a symbolic
+    # ``Ns`` is ``Min(1, Ns)`` columns, which an export for every image size cannot broadcast in a
+    # torch.cond branch)
+    none = best_dst.sum(1, keepdim=True) * 0
     rank = edge_order.scatter(1, edge_order, torch.arange(ns, device=device) + none)
     slot_src = torch.where(rank < r, kept + best_dst, rank - r)
     slot_dst = kept + torch.arange(nd, device=device) + none
@@ -341,11 +344,15 @@ def fit_importance(importance: torch.Tensor, h: int, w: int) -> torch.Tensor:
         return torch.nn.functional.interpolate(importance.unsqueeze(1).float(), size=(h, w),
                                                mode="area")[:, 0]
     # symbolic sizes (an export for every image size): an area interpolation by a whole factor is
-    # an average pool with a static window, which ONNX has (an adaptive pool to a symbolic size is not)
+    # an average pool with a static window, which ONNX has (an adaptive pool to a symbolic size is
+    # not). The map is first brought to ``factor`` times the block's grid (the latent) by a nearest
+    # resize — the identity where it has that size: the map's axes are its own symbols, never
+    # equal to the latent's, so the graph reads its sizes from the latent and a client that feeds
+    # no map (the traced-size default; the ToMe branch runs) is served at every size.
     factor = _hint(big_h) // max(_hint(h), 1)
-    torch._check(big_h == h * factor)
-    torch._check(big_w == w * factor)
-    return torch.nn.functional.avg_pool2d(importance.unsqueeze(1).float(), factor)[:, 0]
+    grid = torch.nn.functional.interpolate(importance.unsqueeze(1).float(), size=(h * factor, w * factor),
+                                           mode="nearest")
+    return torch.nn.functional.avg_pool2d(grid, factor)[:, 0]
 
 
 def importance_pool_size(n: int, r: int, pool_factor: float, dst_fraction: float) -> int:

@@ -69,7 +69,12 @@ class PlanGeometry(NamedTuple):
         if not self.downsample:
             return self
         d = self.downsample
-        h, w = (height + d - 1) // d, (width + d - 1) // d
+        return self.of_grid((height + d - 1) // d, (width + d - 1) // d)
+
+    def of_grid(self, h: Any, w: Any) -> PlanGeometry:
+        """This block's geometry for an ``h × w`` token grid (ints or symbolic sizes)."""
+        if not self.downsample:
+            return self
         r = merge_count(h * w, _merge.partition_cells(h, w, self.sx, self.sy), self.ratio, self.importance,
                         self.dst_fraction)
         return self._replace(h=h, w=w, r=r)
@@ -175,18 +180,28 @@ def importance_or_tome_plan(metric: torch.Tensor, has_map: torch.Tensor, importa
 
     Plan = tuple[torch.Tensor, torch.Tensor]
 
-    def with_map(m: torch.Tensor, imp: torch.Tensor, *ops: torch.Tensor) -> Plan:
+    # Each branch takes the block's grid from an operand's shape (``grid``: [0, h, w], no data):
+    # symbolic sizes computed outside a branch are not tracked in it (an export for every image
+    # size). Not from the map's shape: a client that feeds no map gets the traced-size default,
+    # and the ToMe branch must not read its size from that.
+    def with_map(m: torch.Tensor, imp: torch.Tensor, grid: torch.Tensor, *ops: torch.Tensor) -> Plan:
         key, _ = unpack(ops)
-        slot, weight = _merge.importance_plan(m, imp, key, g.h, g.w, g.r, g.pool_factor, g.dst_fraction)
-        return slot.clone(), weight.clone()
+        b = g.of_grid(grid.shape[-2], grid.shape[-1])
+        slot, weight = _merge.importance_plan(m, imp, key, b.h, b.w, b.r, b.pool_factor, b.dst_fraction)
+        return slot.reshape(-1).clone(), weight.reshape(-1).clone()
 
-    def without_map(m: torch.Tensor, imp: torch.Tensor, *ops: torch.Tensor) -> Plan:
+    def without_map(m: torch.Tensor, imp: torch.Tensor, grid: torch.Tensor, *ops: torch.Tensor) -> Plan:
         _, ch = unpack(ops)
-        slot, weight = _merge.tome_plan(m, ch, g.h, g.w, g.sx, g.sy, g.tome_r)
-        return slot.clone(), weight.clone()
+        b = g.of_grid(grid.shape[-2], grid.shape[-1])
+        slot, weight = _merge.tome_plan(m, ch, b.h, b.w, b.sx, b.sy, b.tome_r)
+        return slot.reshape(-1).clone(), weight.reshape(-1).clone()
 
-    operands = (metric, importance, *(t for t in optional if t is not None))
-    return _cond(has_map, with_map, without_map, operands)
+    grid = metric.new_zeros((0, g.h, g.w))
+    operands = (metric, importance, grid, *(t for t in optional if t is not None))
+    slot, weight = _cond(has_map, with_map, without_map, operands)
+    # the branches return flat plans: a [B, N - r, 1] output's symbolic stride (Max(1, N - r))
+    # fails cond's check that its outputs are dense
+    return slot.reshape(-1, g.tokens), weight.reshape(-1, g.kept, 1)
 
 
 def pack_plans(*plans: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
