@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tome_compile.arguments import dataclass_from_args
-from tome_compile.config import METHODS, ToMeConfig, parse_blocks
+from tome_compile.config import DOWNSAMPLE_METHODS, METHODS, ToMeConfig, parse_blocks
 from tome_compile.errors import ToMeError
 from tome_compile.guidance import GUIDANCE
 
@@ -93,6 +93,10 @@ def _tome_arguments(p: argparse._ArgumentGroup) -> None:
                         "[text; image; uncond], pag [uncond; cond; perturbed] (default auto: cfg for an "
                         "even batch, none for an odd one)")
     p.add_argument("--pool-factor", type=float, default=1.4, help="importance: pool size factor (PixArt: 1)")
+    p.add_argument("--downsample-factor", type=int, default=2,
+                   help="todo: keys and values read the token grid downsampled so much per axis (default 2)")
+    p.add_argument("--downsample-method", default="nearest", choices=DOWNSAMPLE_METHODS,
+                   help="todo: the interpolation (default nearest, as the reference code)")
     p.add_argument("--blocks", default=None, metavar="LIST",
                    help="only these transformer blocks, e.g. 7-20 (PixArt: the released importance code's)")
 

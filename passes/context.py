@@ -18,7 +18,7 @@ class PassContext:
     """How the plans of this graph are made (the same for every block), and its sizes."""
 
     config: ToMeConfig
-    method: str  # "tome" | "importance" | "oracle"
+    method: str  # "tome" | "importance" | "todo" | "oracle"
     use_rand: bool
     note: str  # appended to each rewritten row's reason
     guidance: GuidanceLayout | None = None  # importance: which rows of the batch are one image's
@@ -39,11 +39,12 @@ def pass_context(config: ToMeConfig, *, method: str | None, oracle: bool, pairs_
             method, note = "tome", f"; {resolved}: ToMe plans"
         else:
             layout = resolved
-    use_rand = config.use_rand and method != "oracle"
+    use_rand = config.use_rand and method not in ("oracle", "todo")
     if use_rand and method == "tome" and not random_destinations(True, pairs_of):
         use_rand, note = False, note + f"; batch {pairs_of} is odd: fixed destinations (as tomesd)"
-    tag = {"oracle": "; oracle", "importance": f"; importance ({layout.name if layout else '?'} guidance)"
-           }.get(method, "")
+    tag = {"oracle": "; oracle", "importance": f"; importance ({layout.name if layout else '?'} guidance)",
+           "todo": f"; ToDo: keys and values downsampled {config.downsample_factor}x per axis "
+                   f"({config.downsample_method}), every query kept"}.get(method, "")
     return PassContext(config=config, method=method, use_rand=use_rand, note=note + tag, guidance=layout,
                        latent=latent, batch=batch)
 

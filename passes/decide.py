@@ -145,6 +145,8 @@ def decide_site(
     if isinstance(size, Skip):
         return size
     n, h, w, downsample = size
+    if config.method == "todo":
+        return _todo_plan(site, config, n, h, w, downsample, source)
     r = _merge_count(n, h, w, config)
     if r <= 0:
         return Skip(f"ratio={config.ratio} merges no token of {n}", (h, w), downsample)
@@ -158,6 +160,24 @@ def decide_site(
         return Skip("merge_attn, merge_crossattn and merge_mlp are all off", (h, w), downsample)
     return BlockPlan(site=site, metric=metric, tokens=n, merged=r, grid=(h, w), downsample=downsample,
                      targets=tuple(targets), source=source)
+
+
+def _todo_plan(site: _sites.AttentionSite, config: ToMeConfig, n: int, h: int, w: int, downsample: int,
+               source: fx.Node | None) -> BlockPlan | Skip:
+    """ToDo's block: keys and values from the grid downsampled by ``downsample_factor``
+    (``merged``: the K/V tokens it takes away), or why not."""
+    f = config.downsample_factor
+    kv = (h // f) * (w // f)
+    if kv == 0:
+        return Skip(f"the {h}x{w} token grid is smaller than downsample_factor={f}", (h, w), downsample)
+    projections = _sites.kv_projections(site)
+    if isinstance(projections, str):
+        return Skip(f"keys and values cannot be downsampled alone: {projections}", (h, w), downsample)
+    assert site.output is not None
+    target = Target(input=site.input, output=site.output, region=tuple(site.nodes), path=site.path,
+                    name=_short(site.path, site.block_path))
+    return BlockPlan(site=site, metric=site.input, tokens=n, merged=n - kv, grid=(h, w),
+                     downsample=downsample, targets=(target,), source=source)
 
 
 # The skip reason of a self-attention whose input the graph hands out (kept for a later call)

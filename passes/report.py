@@ -39,9 +39,14 @@ def site_report(found: list[AttentionSite], decisions: list[BlockPlan | Skip], k
                 + (f"; plan shared from {maker}" if maker else "")
                 + (f"; {site.reference_tokens} reference tokens kept" if site.reference is not None else "")
             )
-            rows.append(ToMeSite(**row, tokens_after=plan.tokens - plan.merged, grid=plan.grid,
-                                 downsample=plan.downsample, rewritten=True, reason=reason,
-                                 targets=tuple(t.name for t in plan.targets)))
+            todo = context.method == "todo"
+            if todo:
+                reason = (f"downsample {plan.downsample} <= max_downsample={config.max_downsample}"
+                          f"{note}")
+            rows.append(ToMeSite(**row, tokens_after=plan.tokens if todo else plan.tokens - plan.merged,
+                                 grid=plan.grid, downsample=plan.downsample, rewritten=True, reason=reason,
+                                 targets=tuple(t.name for t in plan.targets),
+                                 kv_tokens=plan.tokens - plan.merged if todo else None))
         elif partner is not None:
             rows.append(ToMeSite(**row, tokens_after=partner.tokens - partner.merged, grid=partner.grid,
                                  downsample=partner.downsample, rewritten=True,
@@ -52,7 +57,9 @@ def site_report(found: list[AttentionSite], decisions: list[BlockPlan | Skip], k
         else:
             skip = decision if isinstance(decision, Skip) else Skip("not rewritten")
             if not config.enabled and site.kind != "cross-attention":
-                skip = Skip(f"ratio={config.ratio}: nothing to merge", skip.grid, skip.downsample, "ratio")
+                nothing = (f"downsample_factor={config.downsample_factor}: nothing to downsample"
+                           if config.method == "todo" else f"ratio={config.ratio}: nothing to merge")
+                skip = Skip(nothing, skip.grid, skip.downsample, "ratio")
             rows.append(ToMeSite(**row, tokens_after=None, grid=skip.grid, downsample=skip.downsample,
                                  rewritten=False, reason=skip.reason, cause=skip.cause, block=skip.block))
     logger.info("ToMe: rewrote %d of %d attention sites", sum(r.rewritten for r in rows), len(rows))

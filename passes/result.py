@@ -36,13 +36,15 @@ class ToMeSite:
     targets: tuple[str, ...] = ()
     cause: str = ""  # a skipped site's reason as data (decide.Skip.cause): "blocks", "downsample", ...
     block: int | None = None  # cause "blocks": the block's index among the spatial self-attention blocks
+    kv_tokens: int | None = None  # ToDo: the keys' and values' tokens (every query kept)
 
     def line(self) -> str:
         tokens = "?" if self.tokens is None else str(self.tokens)
-        after = f" -> {self.tokens_after}" if self.rewritten else ""
+        after = f" -> {self.tokens_after}" if self.rewritten and self.kv_tokens is None else ""
+        kv = f" (K/V {tokens} -> {self.kv_tokens})" if self.rewritten and self.kv_tokens is not None else ""
         state = "rewritten" if self.rewritten else "skipped"
         what = f" [{'+'.join(self.targets)}]" if self.targets else ""
-        return f"{self.path}  {self.kind}  {tokens}{after} tokens  {state}{what}: {self.reason}"
+        return f"{self.path}  {self.kind}  {tokens}{after} tokens{kv}  {state}{what}: {self.reason}"
 
 
 @dataclass

@@ -47,8 +47,15 @@ class BlockInputs:
 
 
 def static_geometry(plan: BlockPlan, config: ToMeConfig) -> PlanGeometry:
-    """The block's sizes as traced (the report's, the input specs')."""
-    return PlanGeometry(*plan.grid, config.sx, config.sy, plan.merged, config.pool_factor,
+    """The block's sizes as traced (the report's, the input specs'). ToDo plans nothing: its
+    geometry is the grid alone (``r`` by ToMe's rule, unused, so that it follows the call's size
+    as every other geometry does)."""
+    merged = plan.merged
+    if config.method == "todo":
+        h, w = plan.grid
+        merged = int(_plans.merge_count(h * w, _merge.partition_cells(h, w, config.sx, config.sy),
+                                        config.ratio, False, config.dst_fraction))
+    return PlanGeometry(*plan.grid, config.sx, config.sy, merged, config.pool_factor,
                         config.dst_fraction, downsample=plan.downsample, ratio=config.ratio,
                         importance=config.method == "importance")
 
@@ -164,11 +171,28 @@ def _merge_target(graph: fx.Graph, plan: BlockPlan, target: Target, after: fx.No
             user.replace_input_with(target.output, un)
 
 
+def _downsample_kv(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: BlockInputs) -> None:
+    """ToDo: ``to_k(x), to_v(x) -> to_k(down(x)), to_v(down(x))``; the queries and the output keep
+    every token (one ``downsample_tokens`` node, right after the attention input)."""
+    projections = _sites.kv_projections(plan.site)
+    assert not isinstance(projections, str), projections  # decide_site checked
+    x = plan.site.input
+    with graph.inserting_after(x):
+        down = _tag(graph.call_function(_plans.downsample_kv, (x, io.geometry, config.downsample_factor,
+                                                               config.downsample_method)),
+                    plan.site.path, "downsample")
+    for projection in projections:
+        projection.replace_input_with(x, down)
+
+
 def rewrite_block(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: BlockInputs,
                   shared: tuple[fx.Node, fx.Node] | None = None) -> tuple[fx.Node, fx.Node] | None:
     """Insert the block's plan (or reuse ``shared``, the ``(slot, weight)`` of an earlier block
     with the same token grid), then merge/unmerge around every target region. Returns the
     ``(slot, weight)`` used (None for the oracle)."""
+    if io.method == "todo":
+        _downsample_kv(graph, plan, config, io)
+        return None
     slot = weight = None
     last: fx.Node = plan.site.input
     if shared is not None:

@@ -28,6 +28,7 @@ from torch import fx
 __all__ = [
     "AttentionSite",
     "block_grid",
+    "kv_projections",
     "find_attention_sites",
     "module_path",
     "node_shape",
@@ -179,6 +180,20 @@ def _qkv(node: fx.Node) -> tuple[Any, Any, Any, str] | None:
         if _is_call(scores, _BMM_OPS):
             return scores.args[0], scores.args[1], node.args[1], "classic"
     return None
+
+
+def kv_projections(site: AttentionSite) -> tuple[fx.Node, fx.Node] | str:
+    """The key and value projections of a self-attention (the linear nodes that read its input),
+    or why they cannot read another tensor than the queries' (ToDo downsamples theirs only)."""
+    qkv = _qkv(site.anchor)
+    if qkv is None or site.form != "sdpa":
+        return "classic AttnProcessor (the token count is baked into its reshapes)"
+    pq, pk, pv = (_projection_of(t) for t in qkv[:3])
+    if pk is None or pv is None or pk is pq or pv is pq:
+        return "fused QKV projection (one linear for q, k and v)"
+    if pk.args[0] is not site.input or pv.args[0] is not site.input:
+        return "keys and values do not read the attention input alone (reference attention)"
+    return pk, pv
 
 
 @dataclass

@@ -217,7 +217,9 @@ class ToMeBackend:
         graph_io = io if found_on_gm else find_unet_io(gm)  # U-Net I/O: found once per graph
         # plans that outlive a call: every planning graph also returns its plans; a third graph reuses them
         keep: tuple[FollowUp, ...] = (keep_plans,) if self.config.reuses_plans and not self.oracle else ()
-        result, compiled = self._rewrite_and_compile(gm, example_inputs, compile_fn, "tome", keep, graph_io)
+        # the graph every call can run: ToMe plans (importance's fallback), or ToDo's downsampling
+        base = "todo" if self.config.method == "todo" else "tome"
+        result, compiled = self._rewrite_and_compile(gm, example_inputs, compile_fn, base, keep, graph_io)
         self.reports.append(result)
         logger.info("%s", result.summary())
         warn_if_nothing_rewritten(result, self.config)

@@ -13,7 +13,9 @@ from tome_compile.guidance import GUIDANCE
 
 __all__ = ["METHODS", "ToMeConfig", "format_blocks", "parse_blocks"]
 
-METHODS = ("tome", "importance")
+METHODS = ("tome", "importance", "todo")
+# torch interpolation modes ToDo may downsample with (the reference code names the same)
+DOWNSAMPLE_METHODS = ("nearest", "nearest-exact", "bilinear", "bicubic", "area")
 _MAX_DOWNSAMPLE = (1, 2, 4, 8)
 
 
@@ -35,8 +37,15 @@ class ToMeConfig:
             cross-attention (not recommended), the feed-forward (very not recommended).
         seed: seed of the dedicated generator that draws the destination partition; ``None``
             seeds it from the OS (the global torch RNG is never read nor advanced).
-        method: ``"tome"`` (ToMe for SD) or ``"importance"`` (keep the tokens with the largest
-            classifier-free-guidance magnitude; falls back to ``"tome"`` on steps without a map).
+        method: ``"tome"`` (ToMe for SD), ``"importance"`` (keep the tokens with the largest
+            classifier-free-guidance magnitude; falls back to ``"tome"`` on steps without a map)
+            or ``"todo"`` (token downsampling, ToDo: the keys and values of each selected
+            self-attention read the token grid downsampled by ``downsample_factor`` per axis; every
+            query is kept, nothing is planned or unmerged; ``ratio`` is not used).
+        downsample_factor: ToDo only: the token grid's downsampling per axis for keys and values
+            (2: a quarter of the tokens); 1 leaves the graph untouched.
+        downsample_method: ToDo only: the interpolation (``torch.nn.functional.interpolate``'s
+            mode; the reference code's default ``"nearest"``).
         pool_factor: importance only: the important pool holds ``int((N - r) * pool_factor)``
             tokens.
         dst_fraction: importance only: ``int(N * dst_fraction)`` destinations are drawn from
@@ -70,13 +79,15 @@ class ToMeConfig:
     merge_crossattn: bool = False
     merge_mlp: bool = False
     seed: int | None = None
-    method: Literal["tome", "importance"] = "tome"
+    method: Literal["tome", "importance", "todo"] = "tome"
     pool_factor: float = 1.4
     dst_fraction: float = 0.25
     share_plan: bool = False
     plan_every: int = 1
     blocks: tuple[int, ...] | None = None
     guidance: str = "auto"
+    downsample_factor: int = 2
+    downsample_method: str = "nearest"
 
     def __post_init__(self) -> None:
         if isinstance(self.blocks, (range, list)) or hasattr(self.blocks, "tolist"):  # range(7, 21), arrays:
@@ -96,7 +107,7 @@ class ToMeConfig:
     def problems(self) -> list[str]:
         """Every invalid value, one sentence each (value, limit, fix); empty when valid."""
         out: list[str] = []
-        for name in ("sx", "sy", "max_downsample", "plan_every"):
+        for name in ("sx", "sy", "max_downsample", "plan_every", "downsample_factor"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 out.append(f"{name}={value!r} must be an int")
@@ -140,6 +151,14 @@ class ToMeConfig:
                        "the pool never holds more than every token anyway)")
         if not (_real(self.dst_fraction) and 0.0 < self.dst_fraction < 1.0):
             out.append(f"dst_fraction={self.dst_fraction!r} must be in (0, 1) (default 0.25)")
+        if self.downsample_factor < 1:
+            out.append(f"downsample_factor={self.downsample_factor} must be >= 1 (2: keys and values "
+                       "read a quarter of the tokens; 1: no downsampling)")
+        if self.downsample_method not in DOWNSAMPLE_METHODS:
+            out.append(f"downsample_method={self.downsample_method!r} is unknown; use one of "
+                       f"{DOWNSAMPLE_METHODS}")
+        if self.method == "todo":
+            out.extend(self._todo_problems())
         if (
             not out
             and self.method == "importance"
@@ -154,9 +173,27 @@ class ToMeConfig:
             )
         return out
 
+    def _todo_problems(self) -> list[str]:
+        """What ToDo does not combine with: ToMe's amount and targets, plans to reuse or share."""
+        out = []
+        default = ToMeConfig.__dataclass_fields__["ratio"].default
+        if self.ratio != default:
+            out.append(f"ratio={self.ratio} is not used by method='todo' (it downsamples keys and values "
+                       f"by downsample_factor={self.downsample_factor} per axis); leave ratio at its "
+                       "default, or use method='tome' to merge a share of the tokens")
+        if self.merge_crossattn or self.merge_mlp:
+            out.append("merge_crossattn / merge_mlp are ToMe's: method='todo' shortens the keys and values "
+                       "of self-attention only; turn them off")
+        if self.plan_every != 1 or self.share_plan:
+            out.append("plan_every / share_plan reuse plans; method='todo' makes none (nothing to plan); "
+                       "leave them at 1 / False")
+        return out
+
     @property
     def enabled(self) -> bool:
-        """False when nothing would be rewritten (ratio 0 or every merge target off)."""
+        """False when nothing would be rewritten (ratio 0, ToDo's factor 1, or every target off)."""
+        if self.method == "todo":
+            return self.downsample_factor > 1 and self.merge_attn
         return self.ratio > 0 and (self.merge_attn or self.merge_crossattn or self.merge_mlp)
 
     @property

@@ -29,6 +29,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 __all__ = [
     "best_matches",
     "floor_mul",
+    "downsample_tokens",
     "destination_partition",
     "fit_importance",
     "gather_rows",
@@ -358,6 +359,16 @@ def fit_importance(importance: torch.Tensor, h: int, w: int) -> torch.Tensor:
 def importance_pool_size(n: int, r: int, pool_factor: float, dst_fraction: float) -> int:
     """``M = min(int((N - r) * pool_factor), N)``, at least the number of destinations."""
     return torch.sym_min(torch.sym_max(floor_mul(n - r, pool_factor), floor_mul(n, dst_fraction)), n)
+
+
+def downsample_tokens(x: torch.Tensor, h: Any, w: Any, factor: int, mode: str = "nearest") -> torch.Tensor:
+    """ToDo: ``[B, h*w, C] -> [B, (h // factor) * (w // factor), C]``, the token grid interpolated
+    down by ``factor`` per axis (``torch.nn.functional.interpolate``'s ``mode``). Keys and values
+    read it; the queries keep every token."""
+    b, _, c = x.shape
+    grid = x.reshape(b, h, w, c).permute(0, 3, 1, 2)
+    small = torch.nn.functional.interpolate(grid, size=(h // factor, w // factor), mode=mode)
+    return small.permute(0, 2, 3, 1).reshape(b, -1, c)
 
 
 def merge_tokens(x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

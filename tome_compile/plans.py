@@ -19,6 +19,7 @@ __all__ = [
     "PlanGeometry",
     "PlanSlice",
     "block_keys",
+    "downsample_kv",
     "fit_map",
     "geometry_at",
     "importance_or_tome_plan",
@@ -97,6 +98,12 @@ class PlanGeometry(NamedTuple):
     def tome_r(self) -> int:
         """``r`` capped at ToMe's sources (importance merging's ``r`` may exceed them)."""
         return torch.sym_min(self.r, self.tokens - self.cells)
+
+
+def downsample_kv(x: torch.Tensor, geometry: PlanGeometry, factor: int, mode: str) -> torch.Tensor:
+    """ToDo's keys and values input: the block's token grid (this call's, ``geometry``) downsampled
+    by ``factor`` per axis (:func:`tome_compile.merge.downsample_tokens`)."""
+    return _merge.downsample_tokens(x, geometry.h, geometry.w, factor, mode)
 
 
 def geometry_at(sample: torch.Tensor, geometry: PlanGeometry) -> PlanGeometry:
