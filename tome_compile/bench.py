@@ -56,6 +56,7 @@ VARIANTS = (
     "inductor+tome-shared-every3",
     "inductor+tome-every2",
     "inductor+tome-every3",
+    "inductor+todo",
     "oracle",
 )
 
@@ -157,6 +158,10 @@ def _variants(unet: torch.nn.Module, names: list[str], config: ToMeConfig
             out[name] = patched
         elif name == "inductor":
             out[name] = torch.compile(unet, dynamic=False)
+        elif name == "inductor+todo":  # ToDo: K/V downsampled 2x per axis where ToMe would merge
+            todo = ToMeConfig(method="todo", max_downsample=config.max_downsample, seed=config.seed)
+            backends[name] = ToMeBackend(todo)
+            out[name] = torch.compile(unet, backend=backends[name], dynamic=False)
         elif name.startswith("inductor+tome") or name == "oracle":
             variant = config.replace(**variant_options(name)) if name != "oracle" else config
             backends[name] = ToMeBackend(variant, oracle=name == "oracle")
