@@ -2,13 +2,17 @@
 
 Find by structure, scope by module path, decide by shape (STYLE.md habit 2):
 
-* an attention op (SDPA, or the classic ``baddbmm -> softmax -> bmm`` of diffusers'
-  ``AttnProcessor``) whose q, k and v are linear projections of one tensor is self-attention;
-  k/v projected from another tensor (``encoder_hidden_states``) is cross-attention;
-* ``node.meta["nn_module_stack"]`` gives the attention module's region
-  (``down_blocks.0.attentions.0.transformer_blocks.0.attn1``): its input is the tensor that feeds
-  the projections, its output is the one node that leaves the region (to_out, before the
-  residual add);
+* by dataflow: an attention op (SDPA, or the classic ``baddbmm -> softmax -> bmm`` of diffusers'
+  ``AttnProcessor``) whose q, k and v are projections (a ``Linear``, a fused QKV split, or PEFT's
+  LoRA ``base_layer(x) + lora_B(lora_A(x)) * s``) of one token sequence — or keys and values of
+  ``cat([that sequence, extra tokens], dim=1)`` (reference attention) — is self-attention; k/v
+  projected from another tensor (``encoder_hidden_states``) is cross-attention;
+* the module path only names the site: the deepest module holding the projections and the
+  output projection (``down_blocks.0.attentions.0.transformer_blocks.0.attn1``), whatever
+  processor runs inside it (a processor that is itself a module, a chained processor, one that
+  splits the batch rows and runs the attention op twice); its region's input is the sequence the
+  projections read (through batch-row slices), its output is the one node that leaves the region
+  (to_out, before the residual add);
 * token counts come from shape metadata (``example_value`` from Dynamo, ``val`` from
   torch.export).
 """
@@ -23,6 +27,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tome_compile.passes.dataflow import (
+    CONV_OPS,
+    LAYER_NORM_OPS,
+    common_path,
+    descends,
+    describe,
+    entry,
+    is_call,
+    module_path,
+    node_shape,
+    output_projection,
+    projection_of,
+    qkv,
+    readers,
+    reference_of,
+)
 from torch import fx
 
 __all__ = [
@@ -40,52 +60,6 @@ __all__ = [
     "size_hint",
     "temporal_reason",
 ]
-
-# Recognised op variants, one table: Dynamo (torch level) -> torch.export (aten level).
-_SDPA_OPS: set[Any] = {
-    torch._C._nn.scaled_dot_product_attention,  # Dynamo: F.scaled_dot_product_attention
-    torch.nn.functional.scaled_dot_product_attention,
-    torch.ops.aten.scaled_dot_product_attention.default,  # torch.export
-}
-_LINEAR_OPS: set[Any] = {
-    torch._C._nn.linear,  # Dynamo: F.linear / nn.Linear
-    torch.nn.functional.linear,
-    torch.ops.aten.linear.default,  # torch.export
-}
-_BMM_OPS: set[Any] = {torch.bmm, torch.ops.aten.bmm.default}  # classic AttnProcessor: probs @ v
-_BADDBMM_OPS: set[Any] = {torch.baddbmm, torch.ops.aten.baddbmm.default}  # classic: q @ k^T
-_SOFTMAX_OPS: set[Any] = {torch.softmax, torch.nn.functional.softmax, torch.ops.aten.softmax.int,
-                          torch.ops.aten._softmax.default}
-_CONV_OPS: set[Any] = {torch.conv2d, torch.nn.functional.conv2d, torch.ops.aten.conv2d.default,
-                       torch.ops.aten.convolution.default}
-_LAYER_NORM_OPS: set[Any] = {torch.nn.functional.layer_norm, torch.layer_norm,
-                             torch.ops.aten.layer_norm.default}
-# Shape-only ops that q/k/v pass through between the projection and the attention op; split/chunk
-# + getitem are fused projections (``unet.fuse_qkv_projections()``: to_qkv -> split -> q, k, v).
-_PASSTHROUGH_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "to", "float",
-                        "half", "bfloat16", "flatten", "unflatten", "__getitem__", "split", "chunk"}
-_PASSTHROUGH_FUNCS: set[Any] = {
-    torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.Tensor.contiguous,
-    torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.transpose.int,
-    torch.ops.aten.permute.default, torch.ops.aten.contiguous.default, torch.ops.aten.clone.default,
-    torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.expand.default,
-    torch.ops.aten.unsqueeze.default, torch.ops.aten.t.default, operator.getitem,
-    torch.split, torch.functional.split, torch.chunk,  # fused QKV: Dynamo
-    torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default, torch.ops.aten.chunk.default,
-}
-# The sinusoidal timestep embedding (diffusers' ``Timesteps``): the U-Net's timestep feeds it.
-_TIME_EMBED_OPS: set[Any] = {torch.sin, torch.cos, torch.ops.aten.sin.default, torch.ops.aten.cos.default}
-# torch.tensor([t]) of a Python-number timestep: baked (999) -> torch.tensor; symbolic -> torch._refs.tensor
-_TENSOR_CONSTANT_OPS: set[Any] = {torch.tensor, torch.as_tensor, torch._refs.tensor}
-
-
-def node_shape(node: Any) -> tuple[Any, ...] | None:
-    """Shape of a node's value from Dynamo (``example_value``) or export (``val``) metadata."""
-    if not isinstance(node, fx.Node):
-        return None
-    value = node.meta.get("example_value", node.meta.get("val"))
-    shape = getattr(value, "shape", None)
-    return tuple(shape) if shape is not None else None
 
 
 def _static(shape: tuple[Any, ...] | None) -> bool:
@@ -105,95 +79,24 @@ def _sized(shape: tuple[Any, ...] | None, any_size: bool) -> bool:
     return _static(shape) or (any_size and shape is not None and all(size_hint(d) is not None for d in shape))
 
 
-_DYNAMO_PREFIX = re.compile(r"^L\['self'\]\.?")
-_DYNAMO_MODULES = re.compile(r"\.?__dict__\['_modules'\]\['([^']+)'\]")
-_DYNAMO_INDEX = re.compile(r"\[(\d+)\]|\['([^']+)'\]")
-
-
-def _normalise_path(raw: str) -> str:
-    path = _DYNAMO_PREFIX.sub("", raw)
-    path = _DYNAMO_MODULES.sub(r".\1", path)
-    path = _DYNAMO_INDEX.sub(lambda m: "." + (m.group(1) or m.group(2)), path)
-    return path.strip(".").replace("..", ".")
-
-
-def module_path(node: fx.Node) -> str:
-    """The innermost module that produced ``node``, as diffusers names it ('' when unknown)."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    raw = list(stack.values())[-1]
-    raw = raw[0] if isinstance(raw, tuple) else raw
-    return _normalise_path(str(raw))
-
-
-def _is_call(node: Any, ops: set[Any]) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in ops
-
-
-def _is_shape_op(node: fx.Node) -> bool:
-    return (node.op == "call_method" and node.target in _PASSTHROUGH_METHODS
-            or node.op == "call_function" and node.target in _PASSTHROUGH_FUNCS)
-
-
-def _projection_of(node: Any) -> fx.Node | None:
-    """Walk back through shape-only ops to the linear projection that produced ``node``."""
-    for _ in range(16):
-        if not isinstance(node, fx.Node):
-            return None
-        if _is_call(node, _LINEAR_OPS):
-            return node
-        if _is_shape_op(node):
-            node = node.args[0]
-        else:
-            return None
-    return None
-
-
-def _softmax_input(node: Any) -> Any:
-    """For the classic form: probs (after optional casts) -> softmax -> baddbmm(q, k^T)."""
-    for _ in range(4):
-        if not isinstance(node, fx.Node):
-            return None
-        if _is_call(node, _SOFTMAX_OPS) or (node.op == "call_method" and node.target == "softmax"):
-            return node.args[0]
-        if (
-            node.op == "call_method"
-            and node.target in ("to", "float", "half", "bfloat16")
-            or _is_call(node, {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype})
-        ):
-            node = node.args[0]
-        else:
-            return None
-    return None
-
-
-def _qkv(node: fx.Node) -> tuple[Any, Any, Any, str] | None:
-    """(q, k, v, form) of an attention op, or None if ``node`` is not one."""
-    if _is_call(node, _SDPA_OPS):
-        q, k, v = (list(node.args) + [node.kwargs.get(n) for n in ("query", "key", "value")])[:3]
-        return q, k, v, "sdpa"
-    if _is_call(node, _BMM_OPS):
-        scores = _softmax_input(node.args[0])
-        if _is_call(scores, _BADDBMM_OPS):
-            return scores.args[1], scores.args[2], node.args[1], "classic"
-        if _is_call(scores, _BMM_OPS):
-            return scores.args[0], scores.args[1], node.args[1], "classic"
-    return None
-
-
-def kv_projections(site: AttentionSite) -> tuple[fx.Node, fx.Node] | str:
-    """The key and value projections of a self-attention (the linear nodes that read its input),
-    or why they cannot read another tensor than the queries' (ToDo downsamples theirs only)."""
-    qkv = _qkv(site.anchor)
-    if qkv is None or site.form != "sdpa":
+def kv_projections(site: AttentionSite) -> list[fx.Node] | str:
+    """The nodes of the key and value projections of a self-attention that read its input (the
+    linears; a LoRA wrapper's base layer and ``lora_A``), or why they cannot read another tensor
+    than the queries' (ToDo downsamples theirs only)."""
+    ops = qkv(site.anchor)
+    if ops is None or site.form != "sdpa":
         return "classic AttnProcessor (the token count is baked into its reshapes)"
-    pq, pk, pv = (_projection_of(t) for t in qkv[:3])
+    if len(site.anchors) > 1:
+        return f"its processor runs {len(site.anchors)} attention ops (batch rows apart)"
+    pq, pk, pv = (projection_of(t) for t in ops[:3])
     if pk is None or pv is None or pk is pq or pv is pq:
         return "fused QKV projection (one linear for q, k and v)"
     if pk.args[0] is not site.input or pv.args[0] is not site.input:
         return "keys and values do not read the attention input alone (reference attention)"
-    return pk, pv
+    found = readers(ops[1], site.input) + readers(ops[2], site.input)
+    if not found:
+        return "keys and values are not projections of the attention input alone"
+    return found
 
 
 @dataclass
@@ -218,6 +121,9 @@ class AttentionSite:
     reference_tokens: int | None = None
     unet_pass: int = 0  # which U-Net pass of the graph (a wrapper may run its U-Net twice per call)
     span: tuple[int, int] | None = None  # that pass's graph positions, when the graph has several
+    # every attention op of the module (a processor that runs the batch rows apart has two)
+    # (``anchor`` is the last)
+    anchors: tuple[fx.Node, ...] = ()
 
     @property
     def block_path(self) -> str:
@@ -251,55 +157,38 @@ def region_exits(nodes: list[fx.Node]) -> list[fx.Node]:
     return [n for n in nodes if any(u not in inside for u in n.users) and not outside_size(n)]
 
 
-_CAT_OPS: set[Any] = {torch.cat, torch.concat, torch.ops.aten.cat.default, torch.ops.aten.concat.default}
-
-
-def _reference_of(kv: fx.Node, source: fx.Node) -> fx.Node | None:
-    """Reference attention (Zero123++'s read pass): keys and values are projections of
-    ``cat([source, reference], dim=1)``; the reference node, or None."""
-    if not _is_call(kv, _CAT_OPS) or not isinstance(kv.args[0], (list, tuple)) or len(kv.args[0]) != 2:
-        return None
-    dim = kv.args[1] if len(kv.args) > 1 else kv.kwargs.get("dim", 0)
-    first, reference = kv.args[0]
-    shape = node_shape(source)
-    if (
-        first is not source
-        or not isinstance(reference, fx.Node)
-        or shape is None
-        or dim not in (1, 1 - len(shape))
-    ):
-        return None
-    return reference
-
-
 def find_attention_sites(gm: fx.GraphModule, spans: Sequence[tuple[int, int]] | None = None,
                          any_size: bool = False) -> list[AttentionSite]:
-    """Every attention op of ``gm`` in execution order, classified, with its region (within its
-    U-Net pass, for a graph that runs the U-Net more than once). ``spans``: the passes' graph
-    positions (``UNetIO.spans``), found here when not given. ``any_size``: symbolic token counts
-    (an export for every image size) are read at their traced values."""
+    """Every attention module of ``gm`` in execution order (one site per module and U-Net pass,
+    however many attention ops its processor runs), classified by dataflow, with its region
+    (within its U-Net pass, for a graph that runs the U-Net more than once). ``spans``: the
+    passes' graph positions (``UNetIO.spans``), found here when not given. ``any_size``: symbolic
+    token counts (an export for every image size) are read at their traced values."""
     sites: list[AttentionSite] = []
     spans = list(spans) if spans else pass_spans(gm)
+    regions: dict[tuple[str, tuple[int, int] | None], list[fx.Node]] = {}
     for position, node in enumerate(gm.graph.nodes):
-        qkv = _qkv(node)
-        if qkv is None:
+        ops = qkv(node)
+        if ops is None:
             continue
-        q, k, v, form = qkv
-        pq, pk, pv = (_projection_of(t) for t in (q, k, v))
-        path = module_path(node)
+        q, k, v, form = ops
+        pq, pk, pv = (projection_of(t) for t in (q, k, v))
         if pq is None or pk is None or pv is None:
             problem = "q/k/v are not linear projections"
-            sites.append(AttentionSite(path=path, kind="unknown", form=form, anchor=node, input=node,
-                                       output=None, problem=problem))
+            sites.append(AttentionSite(path=module_path(node), kind="unknown", form=form, anchor=node,
+                                       input=node, output=None, problem=problem, anchors=(node,)))
             continue
-        source = pq.args[0]
-        reference = _reference_of(pk.args[0], source) if pk.args[0] is pv.args[0] else None
-        kind = ("self-attention" if (pk.args[0] is source and pv.args[0] is source) or reference is not None
-                else "cross-attention")
+        path = common_path([pq, pk, pv, output_projection(node)]) or module_path(node)
         which = next((i for i, (start, stop) in enumerate(spans) if start <= position < stop), 0)
         span = spans[which] if len(spans) > 1 else None
-        nodes = region_nodes(gm.graph, path, span) if path else []
-        exits = region_exits(nodes)
+        if (path, span) not in regions:
+            regions[(path, span)] = region_nodes(gm.graph, path, span) if path else []
+        nodes = regions[(path, span)]
+        inside = set(nodes)
+        source = entry(pq.args[0], inside)
+        reference = reference_of(pk.args[0], source, inside) if pk.args[0] is pv.args[0] else None
+        own = entry(pk.args[0], inside) is source and entry(pv.args[0], inside) is source
+        kind = "self-attention" if own or reference is not None else "cross-attention"
         shape = node_shape(source)
         tokens = size_hint(shape[1]) if shape is not None and len(shape) == 3 and any_size else (
             shape[1] if shape is not None and len(shape) == 3 else None)
@@ -310,24 +199,62 @@ def find_attention_sites(gm: fx.GraphModule, spans: Sequence[tuple[int, int]] | 
             form=form,
             anchor=node,
             input=source,
-            output=exits[0] if len(exits) == 1 else None,
+            output=None,
             nodes=nodes,
             tokens=tokens if isinstance(tokens, int) else None,
             reference=reference,
             reference_tokens=int(ref_shape[1]) if ref_shape and isinstance(ref_shape[1], int) else None,
             unet_pass=which,
             span=span,
+            anchors=(node,),
         )
-        if not path:
-            site.problem = "no nn_module_stack metadata to scope the region"
-        elif len(exits) != 1:
-            site.problem = f"module region has {len(exits)} outputs, expected 1"
-        elif shape is None or len(shape) != 3:
-            site.problem = f"attention input has shape {shape}, expected [B, N, C]"
-        elif not _sized(shape[1:], any_size):  # a symbolic batch is fine: the plan is per batch row
-            site.problem = f"symbolic token count {shape[1]}"
+        earlier = next((s for s in sites if path and s.path == path and s.span == span
+                        and s.unet_pass == which), None)
+        if earlier is not None:  # the same module's next attention op (batch rows run apart)
+            _join(earlier, site)
+            continue
         sites.append(site)
+    for site in sites:
+        if site.kind != "unknown":
+            _bound(site, shape_ok=any_size)
     return sites
+
+
+def _join(site: AttentionSite, other: AttentionSite) -> None:
+    """One site for a module whose processor runs several attention ops (Zero123++'s CFG rows: row
+    0 without the reference, the others with it; IP-Adapter's image K/V beside the text's)."""
+    site.anchors = site.anchors + other.anchors
+    site.anchor = other.anchor
+    if other.reference is not None and site.reference is None:
+        site.reference, site.reference_tokens = other.reference, other.reference_tokens
+    if site.input is not other.input:
+        site.problem = (f"its attention ops read different sequences ({describe(site.input)}, "
+                        f"{describe(other.input)})")
+    elif site.kind != other.kind:
+        site.problem = f"its attention ops are a {site.kind} and a {other.kind}"
+
+
+def _bound(site: AttentionSite, shape_ok: bool) -> None:
+    """The site's output (the one node its region hands out), or the problem that names what else
+    the region hands out."""
+    if site.problem is not None:
+        return
+    exits = region_exits(site.nodes)
+    later = [e for e in exits if any(descends(e, a) for a in site.anchors)]
+    shape = node_shape(site.input)
+    if not site.path:
+        site.problem = "no nn_module_stack metadata to scope the region"
+    elif len(exits) != 1:
+        others = [e for e in exits if e is not (later[-1] if later else None)]
+        site.problem = ("its region hands out " + ", ".join(describe(e) for e in others[:3])
+                        + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+                        + (" besides its output" if later else " and no output of the attention"))
+    elif shape is None or len(shape) != 3:
+        site.problem = f"attention input has shape {shape}, expected [B, N, C]"
+    elif not _sized(shape[1:], shape_ok):  # a symbolic batch is fine: the plan is per batch row
+        site.problem = f"symbolic token count {shape[1]}"
+    if len(exits) == 1:
+        site.output = exits[0]
 
 
 def pass_starts(gm: fx.GraphModule | fx.Graph) -> list[fx.Node]:
@@ -336,7 +263,7 @@ def pass_starts(gm: fx.GraphModule | fx.Graph) -> list[fx.Node]:
     pass over the condition latent, then the sample), else the graph's first convolution (a DiT's
     patch embedding)."""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
-    convs = [n for n in graph.nodes if _is_call(n, _CONV_OPS)]
+    convs = [n for n in graph.nodes if is_call(n, CONV_OPS)]
     named = [n for n in convs if module_path(n).rsplit(".", 1)[-1] == "conv_in"]
     return named or convs[:1]
 
@@ -397,9 +324,9 @@ def norm_input(node: fx.Node) -> fx.Node | None:
     still the block input."""
     want = node_shape(node)
     for _ in range(4):  # the norm itself, or up to three modulation ops above it
-        if _is_call(node, _LAYER_NORM_OPS) and isinstance(node.args[0], fx.Node):
+        if is_call(node, LAYER_NORM_OPS) and isinstance(node.args[0], fx.Node):
             return node.args[0]
-        if not _is_call(node, _MODULATION_OPS):
+        if not is_call(node, _MODULATION_OPS):
             return None
         # follow the operand of the token stream's shape (scale and shift are [B, 1, C])
         node = next((a for a in node.args if isinstance(a, fx.Node) and node_shape(a) == want), None)

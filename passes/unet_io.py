@@ -15,18 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tome_compile.passes.sites import (
-    _CONV_OPS,
-    _TENSOR_CONSTANT_OPS,
-    _TIME_EMBED_OPS,
-    _is_call,
-    _is_shape_op,
-    _static,
+from tome_compile.passes.dataflow import (
+    CONV_OPS,
+    TENSOR_CONSTANT_OPS,
+    TIME_EMBED_OPS,
+    is_call,
+    is_shape_op,
     node_shape,
-    pass_spans,
-    pass_starts,
-    size_hint,
 )
+from tome_compile.passes.sites import _static, pass_spans, pass_starts, size_hint
 from torch import fx
 
 __all__ = ["UNetIO", "UNetPass", "find_unet_io"]
@@ -85,7 +82,7 @@ def _sample_placeholder(conv: fx.Node | None) -> fx.Node | None:
     for _ in range(32):
         if not isinstance(node, fx.Node) or node.op == "placeholder":
             break
-        if _is_shape_op(node) and isinstance(node.args[0], fx.Node):
+        if is_shape_op(node) and isinstance(node.args[0], fx.Node):
             node = node.args[0]
         else:
             node = next((a for a in node.all_input_nodes if node_shape(a) == node_shape(node)), None)
@@ -98,7 +95,7 @@ def _channel_axis(gm: fx.GraphModule, out: Any) -> int:
     shape = node_shape(out)
     if shape is None or len(shape) != 5:
         return 1
-    convs = [n for n in gm.graph.nodes if _is_call(n, _CONV_OPS)]
+    convs = [n for n in gm.graph.nodes if is_call(n, CONV_OPS)]
     last = node_shape(convs[-1]) if convs else None
     if last is not None and len(last) == 4 and isinstance(shape[0], int) and shape[0] > 0:
         channels, frames = last[1], last[0] // shape[0]
@@ -106,7 +103,7 @@ def _channel_axis(gm: fx.GraphModule, out: Any) -> int:
             return 1 if shape[1] == channels else 2
     node, permuted = out, False
     for _ in range(16):  # same channel and frame counts: did the output go through a permute?
-        if not isinstance(node, fx.Node) or not _is_shape_op(node):
+        if not isinstance(node, fx.Node) or not is_shape_op(node):
             break
         permuted |= node.target in ("permute", "transpose", torch.permute, torch.transpose,
                                     torch.ops.aten.permute.default, torch.ops.aten.transpose.int)
@@ -128,7 +125,7 @@ def _ancestors(start: fx.Node, limit: int = 64) -> list[fx.Node]:
 
 def _timestep_source(gm: fx.GraphModule, sample: fx.Node | None) -> tuple[fx.Node | None, float | None]:
     """The timestep's placeholder, or the constant Dynamo baked in, from the time embedding up."""
-    embed = next((n for n in gm.graph.nodes if _is_call(n, _TIME_EMBED_OPS)), None)
+    embed = next((n for n in gm.graph.nodes if is_call(n, TIME_EMBED_OPS)), None)
     if embed is None:
         return None, None
     ancestors = _ancestors(embed)
@@ -138,7 +135,7 @@ def _timestep_source(gm: fx.GraphModule, sample: fx.Node | None) -> tuple[fx.Nod
         if node.op == "placeholder" and node is not sample and tensor:
             return node, None
     for node in ancestors:  # a Python number: diffusers wraps it, torch.tensor([t])
-        if _is_call(node, _TENSOR_CONSTANT_OPS) and node.args:
+        if is_call(node, TENSOR_CONSTANT_OPS) and node.args:
             flat = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
             if len(flat) == 1 and isinstance(flat[0], fx.Node) and flat[0].op == "placeholder":
                 return flat[0], None  # a symbolic int/float (Dynamo made it dynamic)

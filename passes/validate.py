@@ -88,7 +88,9 @@ def _remap(plan: BlockPlan, graph: fx.Graph) -> BlockPlan:
 
     site = dataclasses.replace(plan.site, input=node(plan.site.input), anchor=node(plan.site.anchor),
                                output=node(plan.site.output) if plan.site.output is not None else None,
-                               nodes=[node(n) for n in plan.site.nodes])
+                               nodes=[node(n) for n in plan.site.nodes],
+                               anchors=tuple(node(n) for n in plan.site.anchors),
+                               reference=None if plan.site.reference is None else node(plan.site.reference))
     targets = tuple(dataclasses.replace(t, input=node(t.input), output=node(t.output),
                                         region=tuple(node(n) for n in t.region)) for t in plan.targets)
     return dataclasses.replace(plan, site=site, metric=node(plan.metric), targets=targets,

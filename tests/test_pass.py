@@ -152,13 +152,22 @@ def test_unsupported_site_is_skipped_with_a_reason(sd15):
     unet, inputs = sd15
     gm = dynamo_graph(unet, inputs)
     # Strip the module metadata of one self-attention: it cannot be scoped, so it is skipped.
-    target = find_attention_sites(gm)[0].anchor
-    target.meta.pop("nn_module_stack")
+    for node in find_attention_sites(gm)[0].nodes:
+        node.meta.pop("nn_module_stack")
     result = merge_self_attention(gm, ToMeConfig(ratio=0.5, use_rand=False))
     reasons = [s.reason for s in result.sites if not s.rewritten]
     assert "no nn_module_stack metadata to scope the region" in reasons
     assert len(result.rewritten) == 2
     copy.deepcopy(gm.graph).lint()
+    # the attention op alone without it: the module (named by its projections) hands its q, k, v
+    # out to a node outside it, and the reason names them
+    gm = dynamo_graph(unet, inputs)
+    find_attention_sites(gm)[0].anchor.meta.pop("nn_module_stack")
+    result = merge_self_attention(gm, ToMeConfig(ratio=0.5, use_rand=False))
+    (skipped,) = [s for s in result.sites if s.path == SD15_SELF[0]]
+    assert not skipped.rewritten and skipped.reason.startswith("its region hands out query")
+    assert "(transpose in down_blocks.0.attentions.0.transformer_blocks.0.attn1)" in skipped.reason
+    assert len(result.rewritten) == 2
 
 
 def test_a_rewrite_that_does_not_type_check_is_put_back(monkeypatch):

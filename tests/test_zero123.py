@@ -1,7 +1,12 @@
 """Issue #22: multi-view (Zero123++) — reference attention. The wrapper runs its U-Net twice per call
 (write pass over the noised condition latent, read pass over the tiled views); the pass merges the
 read pass's view tokens (queries and the self part of keys/values), keeps the reference tokens
-whole, and leaves the write pass alone. Compiled as users compile it: the whole wrapper."""
+whole, and leaves the write pass alone. Compiled as users compile it: the whole wrapper.
+
+#35: each compile test runs on our replica and on Zero123++'s own ``RefOnlyNoisedUNet`` /
+``ReferenceOnlyAttnProc`` (``../shared/third_party/zero123plus/pipeline.py``; skipped in a clone
+without it), whose processor is a module wrapping a chained processor: the sites are found by
+dataflow, whatever processor sits in the module path."""
 
 from __future__ import annotations
 
@@ -10,7 +15,14 @@ import copy
 import numpy as np
 import pytest
 import torch
-from zero123_reference import tiny_zero123, tiny_zero123_inputs, tomesd_reference
+from zero123_reference import (
+    cfg_inputs,
+    tiny_zero123,
+    tiny_zero123_inputs,
+    tiny_zero123plus,
+    tomesd_reference,
+    zero123plus_module,
+)
 
 from tome_compile import generation, tome_backend
 from tome_compile.guidance import importance_map
@@ -20,8 +32,20 @@ READ_SITES = ["unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1",
               "unet.up_blocks.1.attentions.1.transformer_blocks.0.attn1"]
 
 
+@pytest.fixture(scope="module", params=["replica", "zero123plus"])
+def zero123(request):
+    """The wrapper, as our replica and as Zero123++'s own pipeline file builds it."""
+    if request.param == "replica":
+        return tiny_zero123(), tiny_zero123_inputs()
+    if zero123plus_module() is None:
+        pytest.skip("../shared/third_party/zero123plus is not beside this clone")
+    return tiny_zero123plus(), tiny_zero123_inputs()
+
+
 @pytest.fixture(scope="module")
-def zero123():
+def replica():
+    """The replica alone: the exportable form and the export (one export for both wrappers: the
+    folder holds a plain U-Net and its scheduler either way)."""
     return tiny_zero123(), tiny_zero123_inputs()
 
 
@@ -58,15 +82,18 @@ def test_the_read_pass_is_merged_and_the_write_pass_left_alone(zero123):
     assert "self-attention + reference  96 -> 48 tokens  rewritten [attn1]" in line
 
 
-@pytest.mark.parametrize("use_rand", [False, True])
-def test_equals_tomesd_on_the_view_tokens_of_the_read_pass(zero123, use_rand):
+@pytest.mark.parametrize("use_rand,cfg", [(False, False), (True, False), (False, True)])
+def test_equals_tomesd_on_the_view_tokens_of_the_read_pass(zero123, use_rand, cfg):
+    """With ``is_cfg_guidance`` the processor runs row 0 (no reference) and the other rows (with
+    it) as two attention ops: one site, merged once before the rows are split."""
     wrapper, inputs = zero123
+    inputs = cfg_inputs(inputs) if cfg else inputs
     model = torch.compile(
         copy.deepcopy(wrapper), backend=tome_backend(0.5, compiler="eager", use_rand=use_rand, seed=3)
     )
     reference = tomesd_reference(wrapper, ratio=0.5, use_rand=use_rand)
     if use_rand:
-        reference.unet._tome_info["args"]["generator"] = torch.Generator().manual_seed(3)
+        reference.wrapper.unet._tome_info["args"]["generator"] = torch.Generator().manual_seed(3)
     with generation():
         ours = run(model, inputs, [999, 749, 499])
     expected = run(reference, inputs, [999, 749, 499])
@@ -111,7 +138,7 @@ def test_importance_uses_the_tiled_views_map_and_plans_are_reused(zero123):
 # --- the exportable form and the ONNX export ----------------------------------------------------
 
 
-def test_the_exportable_form_equals_the_wrapper_with_its_schedulers(zero123):
+def test_the_exportable_form_equals_the_wrapper_with_its_schedulers(replica):
     """MultiViewExport computes add_noise + scale_model_input in closed form; called as the pipeline
     calls the wrapper (the scheduler's step index at the call's timestep), the outputs agree."""
     from diffusers import EulerDiscreteScheduler
@@ -119,7 +146,7 @@ def test_the_exportable_form_equals_the_wrapper_with_its_schedulers(zero123):
     from tome_compile.errors import ToMeModelError
     from tome_compile.multiview import MultiViewExport, build_zero123
 
-    wrapper, (sample, kwargs) = copy.deepcopy(zero123[0]), zero123[1]
+    wrapper, (sample, kwargs) = copy.deepcopy(replica[0]), replica[1]
     exportable = MultiViewExport(wrapper)
     cond = kwargs["cross_attention_kwargs"]["cond_lat"]
     for i, t in enumerate(wrapper.val_sched.timesteps):
@@ -142,14 +169,14 @@ def test_the_exportable_form_equals_the_wrapper_with_its_schedulers(zero123):
 
 
 @pytest.fixture(scope="module")
-def zero123_export(zero123, tmp_path_factory):
+def zero123_export(replica, tmp_path_factory):
     """tome-export --multiview of the tiny model's U-Net folder (random destinations drawn by the
     caller: bit-exact with the backend)."""
     from tome_compile.export.cli import main
 
     folder = tmp_path_factory.mktemp("z123")
-    zero123[0].unet.save_pretrained(folder / "unet")
-    zero123[0].val_sched.save_pretrained(folder / "scheduler")
+    replica[0].unet.save_pretrained(folder / "unet")
+    replica[0].val_sched.save_pretrained(folder / "scheduler")
     out = folder / "z123.onnx"
     assert (
         main(
@@ -173,7 +200,7 @@ def zero123_export(zero123, tmp_path_factory):
     return out
 
 
-def test_export_structure_and_session_equals_the_compiled_wrapper(zero123, zero123_export):
+def test_export_structure_and_session_equals_the_compiled_wrapper(replica, zero123_export):
     import onnx
     from tome_compile.export import ToMeSession
     from tome_compile.export.attention import CONTRIB_DOMAIN
@@ -194,9 +221,12 @@ def test_export_structure_and_session_equals_the_compiled_wrapper(zero123, zero1
         sum(n.op_type == "MultiHeadAttention" and n.domain == CONTRIB_DOMAIN for n in model.graph.node) == 14
     )
 
-    wrapper, (sample, kwargs) = zero123
+    wrapper, (sample, kwargs) = replica
     compiled = torch.compile(MultiViewExport(copy.deepcopy(wrapper)),
                              backend=tome_backend(0.5, compiler="eager", seed=3))
+    # the same weights in Zero123++'s own wrapper (its processors in the U-Net), when beside the clone
+    own = None if zero123plus_module() is None else torch.compile(
+        MultiViewExport(tiny_zero123plus()), backend=tome_backend(0.5, compiler="eager", seed=3))
     cond, ehs = kwargs["cross_attention_kwargs"]["cond_lat"], kwargs["encoder_hidden_states"]
     plain = MultiViewExport(copy.deepcopy(wrapper))
     with generation(), torch.no_grad():
@@ -207,6 +237,8 @@ def test_export_structure_and_session_equals_the_compiled_wrapper(zero123, zero1
             noise = torch.randn_like(cond)
             expected = compiled(sample, torch.tensor([float(t)]), ehs, cond, noise)[0]
             assert (ours - expected).abs().max() < 1e-4
+            if own is not None:
+                assert (ours - own(sample, torch.tensor([float(t)]), ehs, cond, noise)[0]).abs().max() < 1e-4
             assert (ours - plain(sample, torch.tensor([float(t)]), ehs, cond, noise)[0]).abs().max() > 1e-3
     # NumPy in (diffusers' ONNX pipelines), one image, noise given by the caller
     one = session(
@@ -219,13 +251,13 @@ def test_export_structure_and_session_equals_the_compiled_wrapper(zero123, zero1
     assert one[0].shape == (1, 4, 12, 8) and np.isfinite(one[0]).all()
 
 
-def test_session_refuses_a_multiview_call_without_its_condition(zero123, zero123_export):
+def test_session_refuses_a_multiview_call_without_its_condition(replica, zero123_export):
     from tome_compile.export import ToMeSession
 
     from tome_compile.errors import ToMeExportError
 
     session = ToMeSession(zero123_export, seed=0)
-    sample, kwargs = zero123[1]
+    sample, kwargs = replica[1]
     ehs, cond = kwargs["encoder_hidden_states"], kwargs["cross_attention_kwargs"]["cond_lat"]
     with pytest.raises(ToMeExportError, match="cond_lat"):
         session(sample, 999, ehs)

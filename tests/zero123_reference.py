@@ -9,6 +9,7 @@ for the write pass (its inputs are the reference).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,50 +51,96 @@ def tiny_zero123_inputs(batch: int = 2, seed: int = 0) -> tuple[torch.Tensor, di
                     "cross_attention_kwargs": {"cond_lat": torch.randn(batch, 4, 4, 4, generator=g)}}
 
 
-class _TomesdReadOnly(RefOnlyNoisedUNet):
-    """The wrapper with tomesd patched into its U-Net, merging in the read pass only."""
+class _TomesdReadOnly(torch.nn.Module):
+    """A wrapper (ours or Zero123++'s own) with tomesd patched into its U-Net, merging in the read
+    pass only: the first U-Net call of each wrapper call is the write pass."""
 
-    def forward(
-        self,
-        sample: torch.Tensor,
-        timestep: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        class_labels: torch.Tensor | None = None,
-        *,
-        cross_attention_kwargs: dict,
-        **kwargs: Any,
-    ) -> Any:
-        args = self.unet._tome_info["args"]
-        ratio, calls = args["ratio"], []
-        original = self.unet.forward
+    def __init__(self, wrapper: torch.nn.Module) -> None:
+        super().__init__()
+        self.wrapper = wrapper
 
-        def forward(*a: Any, **k: Any) -> Any:  # the first U-Net call of each wrapper call: the write pass
-            args["ratio"] = 0.0 if not calls else ratio
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        unet = self.wrapper.unet
+        options = unet._tome_info["args"]
+        ratio, calls = options["ratio"], []
+        original = unet.forward
+
+        def forward(*a: Any, **k: Any) -> Any:
+            options["ratio"] = 0.0 if not calls else ratio
             calls.append(1)
             return original(*a, **k)
 
-        self.unet.forward = forward
+        unet.forward = forward
         try:
-            return super().forward(sample, timestep, encoder_hidden_states, class_labels,
-                                   cross_attention_kwargs=cross_attention_kwargs, **kwargs)
+            return self.wrapper(*args, **kwargs)
         finally:
-            self.unet.forward = original
-            args["ratio"] = ratio
+            del unet.forward
+            options["ratio"] = ratio
 
 
-def tomesd_reference(wrapper: RefOnlyNoisedUNet, **options: Any) -> RefOnlyNoisedUNet:
+def tomesd_reference(wrapper: torch.nn.Module, **options: Any) -> _TomesdReadOnly:
     """A copy of ``wrapper`` whose read pass runs tomesd (``tomesd.apply_patch(unet, **options)``)."""
     import copy
 
     import tomesd
 
-    unet = copy.deepcopy(wrapper.unet)
-    tomesd.apply_patch(unet, **options)
-    ref = _TomesdReadOnly.__new__(_TomesdReadOnly)
-    torch.nn.Module.__init__(ref)
-    ref.unet, ref.train_sched, ref.val_sched = (
-        unet,
-        copy.deepcopy(wrapper.train_sched),
-        copy.deepcopy(wrapper.val_sched),
-    )
-    return ref.eval()
+    ref = copy.deepcopy(wrapper)
+    tomesd.apply_patch(ref.unet, **options)
+    return _TomesdReadOnly(ref).eval()
+
+
+ZERO123PLUS = Path(__file__).resolve().parents[2] / "shared" / "third_party" / "zero123plus" / "pipeline.py"
+
+
+def zero123plus_module() -> Any:
+    """Zero123++'s own pipeline file (``../shared/third_party/zero123plus/pipeline.py``, unchanged),
+    imported, or None where the clone has no ``../shared``. It imports ``torchvision`` for a depth
+    transform the tests never run: without torchvision, a stand-in namespace takes its place."""
+    import importlib.machinery
+    import importlib.util
+    import sys
+    import types
+
+    if not ZERO123PLUS.is_file():
+        return None
+    if "zero123plus_pipeline" in sys.modules:
+        return sys.modules["zero123plus_pipeline"]
+    if importlib.util.find_spec("torchvision") is None and "torchvision" not in sys.modules:
+        import diffusers  # noqa: F401 - its optional-package checks see the real environment first
+        import transformers  # noqa: F401
+
+        stand_in = types.ModuleType("torchvision")
+        stand_in.__spec__ = importlib.machinery.ModuleSpec("torchvision", None)
+        stand_in.transforms = types.SimpleNamespace(Compose=lambda steps: steps, ToTensor=lambda: None,
+                                                    Normalize=lambda *a, **k: None)
+        sys.modules["torchvision"] = stand_in
+    spec = importlib.util.spec_from_file_location("zero123plus_pipeline", ZERO123PLUS)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["zero123plus_pipeline"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_zero123plus(seed: int = 0) -> torch.nn.Module:
+    """Zero123++'s own ``RefOnlyNoisedUNet`` around the tiny U-Net, with the schedulers its
+    ``prepare()`` builds (a DDPM training scheduler of the pipeline scheduler's config)."""
+    from diffusers import DDPMScheduler, EulerAncestralDiscreteScheduler, UNet2DConditionModel
+
+    module = zero123plus_module()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        unet = UNet2DConditionModel(**TINY_ZERO123).eval()
+    val = EulerAncestralDiscreteScheduler(timestep_spacing="trailing")
+    val.set_timesteps(4)
+    return module.RefOnlyNoisedUNet(unet, DDPMScheduler.from_config(val.config), val).eval()
+
+
+def cfg_inputs(inputs: tuple[torch.Tensor, dict[str, Any]]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The call with ``is_cfg_guidance``: row 0 (unconditional) reads no reference, so the
+    condition latent and the write pass have the other rows only; class labels given, as the
+    wrapper slices them."""
+    sample, kwargs = inputs
+    cak = dict(kwargs["cross_attention_kwargs"])
+    cak["cond_lat"] = cak["cond_lat"][1:]
+    cak["is_cfg_guidance"] = True
+    return sample, {**kwargs, "cross_attention_kwargs": cak, "class_labels": torch.zeros(sample.shape[0])}
