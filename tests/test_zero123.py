@@ -133,6 +133,10 @@ def test_importance_uses_the_tiled_views_map_and_plans_are_reused(zero123):
     assert state.map.shape == (1, 12, 8)  # one map per CFG pair over the 12 x 8 tiled latent
     assert torch.allclose(state.map, importance_map(outs[-1]))
     assert state.plans_made == 3  # fallback step plans; first step with a map plans afresh; then every 2
+    # importance keeps other tokens than ToMe's similarity does: from the first step with a map on
+    tome = run(torch.compile(copy.deepcopy(wrapper), backend=tome_backend(0.5, compiler="eager", plan_every=2,
+                                                                           seed=0)), inputs, [999, 749])
+    assert torch.equal(outs[0], tome[0]) and (outs[1] - tome[1]).abs().max() > 1e-4
 
 
 # --- the exportable form and the ONNX export ----------------------------------------------------
