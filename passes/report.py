@@ -33,16 +33,13 @@ def site_report(found: list[AttentionSite], decisions: list[BlockPlan | Skip], k
         row = {"path": site.path, "kind": kind, "tokens": site.tokens}
         if plan is not None:
             maker = sharing.get(site.path)
+            todo = context.method == "todo"  # nothing merged, nothing planned: K/V shortened (kv_tokens)
             reason = (
-                f"downsample {plan.downsample} <= max_downsample={config.max_downsample}, "
-                f"r={plan.merged}{note}"
+                f"downsample {plan.downsample} <= max_downsample={config.max_downsample}"
+                + ("" if todo else f", r={plan.merged}") + note
                 + (f"; plan shared from {maker}" if maker else "")
                 + (f"; {site.reference_tokens} reference tokens kept" if site.reference is not None else "")
             )
-            todo = context.method == "todo"
-            if todo:
-                reason = (f"downsample {plan.downsample} <= max_downsample={config.max_downsample}"
-                          f"{note}")
             rows.append(ToMeSite(**row, tokens_after=plan.tokens if todo else plan.tokens - plan.merged,
                                  grid=plan.grid, downsample=plan.downsample, rewritten=True, reason=reason,
                                  targets=tuple(t.name for t in plan.targets),

@@ -12,6 +12,7 @@ from conftest import CountingCompiler, call, tiny_inputs, tiny_unet
 from tome_compile.passes.sites import module_path
 
 from tome_compile import ToMeConfig, ToMeConfigError, ToMeWarning, tome_backend
+from tome_compile.backend import ToMeBackend
 from tome_compile.plans import downsample_kv
 
 
@@ -121,6 +122,8 @@ def test_todo_refuses_what_it_does_not_use_and_skips_what_it_cannot_downsample(s
                            ({"downsample_method": "cubic"}, "downsample_method='cubic' is unknown")]:
         with pytest.raises(ToMeConfigError, match=words.replace("(", r"\(")):
             ToMeConfig(method="todo", **options)
+    with pytest.raises(ToMeConfigError, match="oracle=True is ToMe's zero-cost bound"):
+        ToMeBackend(ToMeConfig(method="todo"), oracle=True)
     fused = copy.deepcopy(unet)
     fused.fuse_qkv_projections()  # one linear for q, k and v: nothing to give the keys alone
     model, backend = compiled_todo(fused)

@@ -119,6 +119,9 @@ class ToMeBackend:
 
     def __init__(self, config: ToMeConfig, compiler: str | CompilerFn = "inductor",
                  generator: torch.Generator | None = None, oracle: bool = False) -> None:
+        if oracle and config.method == "todo":
+            raise ToMeConfigError("oracle=True is ToMe's zero-cost bound (merge r tokens, no matching); "
+                                  "method='todo' merges nothing: pass method='tome' with the oracle")
         self.config = config
         self.compiler = compiler
         _inner_compiler(compiler)  # reject a bad compiler now, not at the first call
