@@ -17,6 +17,20 @@ from tome_compile.models import build_unet, example_inputs
 if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("TOME_TEST_THREADS", "1") != "0":
     torch.set_num_threads(int(os.environ.get("TOME_TEST_THREADS", "1")))
 
+# The files that convert ONNX exports or start servers, heaviest first (measured: --durations in a CI
+# run). pytest-xdist hands whole files (--dist loadfile) to the two workers in collection order; the
+# long files first and the many short ones last keeps both workers busy to the end (longest job
+# first), where alphabetical order left one worker on the last export-heavy files alone.
+HEAVY_FIRST = ["test_export_forms.py", "test_export_cli.py", "test_export.py", "test_serve.py",
+               "test_video.py", "test_share_plan.py", "test_zero123.py", "test_shapes.py", "test_todo.py",
+               "test_call_state.py", "test_bench.py"]
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order kept
+
+
 TINY_SD15: dict[str, Any] = dict(
     sample_size=16, in_channels=4, out_channels=4, block_out_channels=(32, 64),
     down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
