@@ -171,7 +171,10 @@ def readers(node: Any, x: fx.Node) -> list[fx.Node]:
             continue
         if not (is_call(n, LINEAR_OPS | _ADD_OPS | _SCALE_OPS | _ENTRY_PASSTHROUGH) or is_shape_op(n)):
             return []
-        todo.extend(a for a in (n.args[:1] if is_call(n, LINEAR_OPS) else n.all_input_nodes))
+        # a linear's data is its first argument, a reshape's too (its sizes may be symbolic: the
+        # sym_size nodes of an any-size export read other tensors); a sum's are all its inputs
+        data = n.args[:1] if is_call(n, LINEAR_OPS) or is_shape_op(n) else n.all_input_nodes
+        todo.extend(data)
     return out
 
 
