@@ -26,27 +26,30 @@ def test_demo_importance_row_is_importance_merging(tmp_path):
     out = tmp_path / "demo.png"
     assert main(["--steps", "3", "--compiler", "eager", "--out", str(out)]) == 0  # the 6 default prompts
     data = json.loads(out.with_suffix(".json").read_text())
-    assert data["rows"] == ["plain", "tome 0.5", "importance 0.5"] and len(data["prompts"]) == 6
+    assert data["rows"] == ["plain", "tome 0.5", "importance 0.5", "todo x2"] and len(data["prompts"]) == 6
     tome, importance = data["results"][1], data["results"][2]
     assert abs(tome["psnr_db"] - importance["psnr_db"]) > 0.1  # other pictures, not the ToMe ones
 
 
 def test_demo_never_labels_a_fallback_as_the_method():
     """A backend that never ran its method (importance without a map on any call, a backend that
-    rewrote nothing) is named so the row says "(ran as tome)"."""
+    rewrote nothing) is named so: "(ran as tome)", "(rewrote nothing: plain)"."""
     from types import SimpleNamespace
 
     from tome_compile.shapes.demo import ran_as_another_method
 
-    def backend(rewrote, importance_calls):
+    def backend(rewrote, importance_calls, method="tome"):
         calls = {"tome": 1, "importance": importance_calls}
-        return SimpleNamespace(reports=[SimpleNamespace(modified=rewrote)],
+        kind = SimpleNamespace(method=method)
+        return SimpleNamespace(reports=[SimpleNamespace(modified=rewrote)], config=kind,
                                driver=SimpleNamespace(calls_by_kind=calls))
 
-    assert ran_as_another_method({"tome": backend(True, 0), "importance": backend(True, 3)}, 0.5) == []
-    assert ran_as_another_method({"tome": backend(True, 0), "importance": backend(True, 0)}, 0.5) == [
-        "importance 0.5"]
-    assert ran_as_another_method({"tome": backend(False, 0)}, 0.3) == ["tome 0.3"]
+    assert ran_as_another_method({"tome 0.5": backend(True, 0),
+                                  "importance 0.5": backend(True, 3, "importance")}) == {}
+    fallback = {"tome 0.5": backend(True, 0), "importance 0.5": backend(True, 0, "importance")}
+    assert ran_as_another_method(fallback) == {"importance 0.5": "importance 0.5 (ran as tome)"}
+    assert ran_as_another_method({"tome 0.3": backend(False, 0), "todo x2": backend(False, 0, "todo")}) == {
+        "tome 0.3": "tome 0.3 (rewrote nothing: plain)", "todo x2": "todo x2 (rewrote nothing: plain)"}
 
 
 @pytest.mark.parametrize("guidance, images", [(None, 3), ("cfg", 3), ("pix2pix", 2)])

@@ -133,8 +133,10 @@ def test_demo_command(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0 and out.is_file()
     data = json.loads(out.with_suffix(".json").read_text())
-    assert data["rows"] == ["plain", "tome 0.5", "importance 0.5"]
+    assert data["rows"] == ["plain", "tome 0.5", "importance 0.5", "todo x2"]
     assert [r["method"] for r in data["results"]] == data["rows"]
+    todo, tome = data["results"][3], data["results"][1]
+    assert todo["psnr_db"] > 0 and todo["psnr_db"] != tome["psnr_db"]
     assert data["results"][1]["psnr_db"] > 0 and 0 < data["results"][1]["ssim"] <= 1
     assert "| tome 0.5 |" in printed and "PSNR" in printed
 
@@ -175,20 +177,21 @@ def test_quality_benchmark_tables():
 
     model = build_model(seed=4).eval()
     prompts, seeds = ["red circle", "blue ring", "green cross", "cyan square"], [0, 1, 2, 3]
-    result = run_quality(model, load_probe(), prompts, seeds, ratios=[0.3, 0.7], steps=2, compiler="eager",
-                         progress=False, methods=("tome", "importance", "tome-shared-every2"))
+    result = run_quality(model, load_probe(), prompts, seeds, ratios=[0.3, 0.5], steps=2, compiler="eager",
+                         progress=False, methods=("tome", "importance", "tome-shared-every2", "todo"))
     names = [r["method"] for r in result["rows"]]
     assert names == ["plain", "plain, other seeds", "tome 0.3", "importance 0.3", "tome-shared-every2 0.3",
-                     "tome 0.7", "importance 0.7", "tome-shared-every2 0.7"]
+                     "tome 0.5", "importance 0.5", "tome-shared-every2 0.5", "todo x2"]
     rows = {r["method"]: r for r in result["rows"]}
     for name in names[1:]:
         mean, low, high = rows[name]["psnr_db"]
         assert low <= mean <= high and len(result["per_image"][name]["psnr_db"]) == 4
     # merging keeps pictures much closer to the plain ones than a different seed does
     assert rows["tome 0.3"]["psnr_db"][0] > rows["plain, other seeds"]["psnr_db"][0] + 10
-    assert rows["tome 0.3"]["psnr_db"][0] > rows["tome 0.7"]["psnr_db"][0]  # more merging, less fidelity
+    assert rows["tome 0.3"]["psnr_db"][0] > rows["tome 0.5"]["psnr_db"][0]  # more merging, less fidelity
     assert [(e["variant"], e["ratio"]) for e in result["paired"]] == [
-        ("importance", 0.3), ("tome-shared-every2", 0.3), ("importance", 0.7), ("tome-shared-every2", 0.7)]
+        ("importance", 0.3), ("tome-shared-every2", 0.3), ("importance", 0.5), ("tome-shared-every2", 0.5),
+        ("todo x2", 0.5)]  # ToDo (no ratio) against ToMe at its default ratio
     # the second step reuses the first step's plans: not the exact ToMe picture
     assert (
         result["per_image"]["tome-shared-every2 0.3"]["psnr_db"] != result["per_image"]["tome 0.3"]["psnr_db"]
@@ -201,8 +204,9 @@ def test_quality_benchmark_tables():
     )
     assert abs(delta - expected) < 1e-9
     table = format_tables(result)
-    assert "| tome 0.7 |" in table and "| importance | 0.3 |" in table and "plain, other seeds" in table
-    assert "| tome-shared-every2 | 0.7 |" in table
+    assert "| todo x2 |" in table and "| todo x2 | 0.5 |" in table
+    assert "| tome 0.5 |" in table and "| importance | 0.3 |" in table and "plain, other seeds" in table
+    assert "| tome-shared-every2 | 0.5 |" in table
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -234,7 +238,7 @@ def test_demo_with_a_local_diffusers_pipeline(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0 and out.is_file()
     data = json.loads(out.with_suffix(".json").read_text())
-    assert data["model"] == str(pipe) and data["rows"] == ["plain", "tome 0.5", "importance 0.5"]
+    assert data["model"] == str(pipe) and data["rows"] == ["plain", "tome 0.5", "importance 0.5", "todo x2"]
     merged = data["results"][1]
     assert merged["probe_accuracy"] is None and 0 < merged["ssim"] <= 1 and merged["psnr_db"] > 0
     assert "n/a" in printed

@@ -92,6 +92,29 @@ def test_todo_equals_the_papers_reference_and_shortens_only_keys_and_values(kind
     assert "ToDo: keys and values downsampled" in rewritten[0].reason
 
 
+@pytest.mark.parametrize("kind", ["animatediff", "svd", "pixart"])
+def test_todo_on_video_unets_frame_by_frame_and_on_pixart_on_the_patch_grid(kind):
+    """Video U-Nets: each frame's spatial self-attention reads its own downsampled grid (temporal
+    attention untouched: its tokens are frames); PixArt-α: every block's patch grid (h = H / 2)."""
+    from conftest import run, tiny_pixart, tiny_pixart_inputs, tiny_video_inputs, tiny_video_unet
+
+    if kind == "pixart":
+        model, (sample, kwargs), options = tiny_pixart(), tiny_pixart_inputs(), {"max_downsample": 2}
+    else:
+        model, (sample, kwargs), options = tiny_video_unet(kind), tiny_video_inputs(kind), {}
+    backend = tome_backend(compiler="eager", method="todo")
+    got = run(torch.compile(copy.deepcopy(model), backend=backend, fullgraph=True), sample, kwargs)
+    expected = run(todo_reference(model, max_downsample=options.get("max_downsample", 1)), sample, kwargs)
+    assert (got - expected).abs().max() < 1e-5
+    assert (got - run(model, sample, kwargs)).abs().max() > 1e-3
+    rewritten = [s for s in backend.reports[0].sites if s.rewritten]
+    assert rewritten and all("temporal" not in s.path and "motion_modules" not in s.path for s in rewritten)
+    grid, kv = ((8, 8), 16) if kind == "pixart" else ((16, 16), 64)
+    assert all(s.grid == grid and s.kv_tokens == kv for s in rewritten)
+    if kind == "pixart":
+        assert len(rewritten) == 4  # every block: one patch grid
+
+
 def test_downsample_factor_1_is_the_plain_model_bit_for_bit(sd15):
     unet, inputs = sd15
     model, backend = compiled_todo(unet, downsample_factor=1)

@@ -1,4 +1,5 @@
-"""``tome-demo``: pictures from the project's own model — plain, ToMe and importance-based merging.
+"""``tome-demo``: pictures from the project's own model — plain, ToMe, importance-based merging and
+ToDo (keys and values downsampled).
 
 Generates a grid (rows = method, columns = prompt/seed) with classifier-free guidance, each method
 through ``torch.compile(unet, backend=tome_backend(...))`` (plain: inductor), and prints a table:
@@ -23,6 +24,8 @@ from tome_compile.errors import ToMeError
 from tome_compile.shapes.grid import labelled_grid
 from tome_compile.shapes.sample import DEFAULT_GUIDANCE, DEFAULT_STEPS, compile_unet, write_atomically
 from tome_compile.targets import load_target
+
+TODO_ROW = "todo x2"  # ToDo: keys and values of the token grid downsampled 2x per axis (no ratio)
 
 __all__ = ["main"]
 
@@ -116,14 +119,16 @@ def _row_label(row: dict[str, Any]) -> list[str]:
     return lines
 
 
-def ran_as_another_method(backends: dict[str, Any], ratio: float) -> list[str]:
-    """The rows whose backend never ran its method: an importance backend none of whose calls had a
-    guidance map (every call fell back to ToMe plans), a backend that rewrote no graph."""
-    wrong = []
-    for method, backend in backends.items():
-        rewrote = any(report.modified for report in backend.reports)
-        if not rewrote or (method == "importance" and not backend.driver.calls_by_kind["importance"]):
-            wrong.append(f"{method} {ratio}")
+def ran_as_another_method(backends: dict[str, Any]) -> dict[str, str]:
+    """The rows (name -> the label they get instead) whose backend never ran its method: an
+    importance backend none of whose calls had a guidance map (every call fell back to ToMe
+    plans), a backend that rewrote no graph (its pictures are the plain model's)."""
+    wrong = {}
+    for name, backend in backends.items():
+        if not any(report.modified for report in backend.reports):
+            wrong[name] = f"{name} (rewrote nothing: plain)"
+        elif backend.config.method == "importance" and not backend.driver.calls_by_kind["importance"]:
+            wrong[name] = f"{name} (ran as tome)"
     return wrong
 
 
@@ -148,12 +153,13 @@ def _run(args: argparse.Namespace) -> int:
             tokenize(p)  # clear error for an unknown word
     prompts = [p for p in args.prompts for _ in range(args.seeds)]
     seeds = [s for _ in args.prompts for s in range(args.seeds)]
-    backends = {m: tome_backend(args.ratio, seed=0, method=m, compiler=args.compiler)
+    backends = {f"{m} {args.ratio}": tome_backend(args.ratio, seed=0, method=m, compiler=args.compiler)
                 for m in ("tome", "importance")}
+    backends[TODO_ROW] = tome_backend(seed=0, method="todo", compiler=args.compiler)  # K/V 2x, no ratio
     methods: dict[str, Any] = {
         "plain": compile_unet(target.unet, "plain", 0.0, args.compiler),
-        **{f"{m} {args.ratio}": compile_unet(target.unet, m, args.ratio, args.compiler, backend=b)
-           for m, b in backends.items()},
+        **{name: compile_unet(target.unet, b.config.method, args.ratio, args.compiler, backend=b)
+           for name, b in backends.items()},
     }
     images: dict[str, torch.Tensor] = {}
     seconds: dict[str, float] = {}
@@ -171,10 +177,10 @@ def _run(args: argparse.Namespace) -> int:
             images[name] = target.sample(compiled, prompts, seeds, args.steps, args.guidance_scale)
             seconds[name] = (time.perf_counter() - start) / len(prompts)
             bar.update(1)
-    for name in ran_as_another_method(backends, args.ratio):  # never label a fallback as the method
-        images[f"{name} (ran as tome)"] = images.pop(name)
-        seconds[f"{name} (ran as tome)"] = seconds[name]
-        warmup[f"{name} (ran as tome)"] = warmup[name]
+    for name, label in ran_as_another_method(backends).items():  # never label a fallback as the method
+        images[label] = images.pop(name)
+        seconds[label] = seconds[name]
+        warmup[label] = warmup[name]
     plain = images["plain"]
     probe = load_probe() if target.shapes_prompts else None
     rows = []

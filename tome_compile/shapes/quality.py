@@ -38,6 +38,8 @@ __all__ = ["main", "run_quality"]
 logger = logging.getLogger(__name__)
 
 NOISE_FLOOR_SEED = 1_000_000  # the second plain seed set starts here
+TODO_ROW = "todo x2"  # ToDo's row: keys and values of the grid downsampled 2x per axis, no ratio
+TODO_PAIRED_RATIO = 0.5  # paired against ToMe at its default ratio
 
 
 def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *, ratios: list[float],
@@ -53,7 +55,9 @@ def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *,
     from tome_compile.shapes.sample import compile_unet, generate
 
     runs: list[tuple[str, str, float]] = [("plain", "plain", 0.0), ("plain, other seeds", "plain", 0.0)]
-    runs += [(f"{m} {r}", m, r) for r in ratios for m in methods]
+    runs += [(f"{m} {r}", m, r) for r in ratios for m in methods if m != "todo"]
+    if "todo" in methods:  # ToDo takes no ratio: one run, keys and values downsampled 2x per axis
+        runs.append((TODO_ROW, "todo", TODO_PAIRED_RATIO))
     images: dict[str, torch.Tensor] = {}
     other_seeds = [NOISE_FLOOR_SEED + s for s in seeds]
     for name, variant, ratio in tqdm(
@@ -63,8 +67,9 @@ def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *,
         # Each run compiles afresh: Dynamo keeps every compile of the U-Net's forward and, past its
         # recompile limit (8), silently runs the plain model — the later variants would measure nothing.
         torch._dynamo.reset()
+        options = {} if method == "todo" else {"ratio": ratio, **variant_options(variant)}
         backend = (None if method == "plain" else
-                   tome_backend(ratio, seed=0, method=method, compiler=compiler, **variant_options(variant)))
+                   tome_backend(seed=0, method=method, compiler=compiler, **options))
         unet = compile_unet(model.unet, method, ratio, compiler, backend=backend)
         images[name] = generate(model, prompts, other_seeds if name == "plain, other seeds" else seeds,
                                 steps=steps, guidance_scale=guidance_scale, unet=unet)
@@ -96,18 +101,20 @@ def run_quality(model: Any, probe: Any, prompts: list[str], seeds: list[int], *,
 
     paired = []
     if "tome" in methods:
-        for r in ratios:
-            for variant in (m for m in methods if m != "tome"):
-                a, b = per_image[f"{variant} {r}"], per_image[f"tome {r}"]
-                entry: dict[str, Any] = {"ratio": r, "variant": variant}
-                for key in ("psnr_db", "ssim"):
-                    x, y = (
-                        torch.tensor(a[key], dtype=torch.float64),
-                        torch.tensor(b[key], dtype=torch.float64),
-                    )
-                    entry[f"delta_{key}"] = bootstrap_mean(x - y)
-                    entry[f"closer_{key}"] = bootstrap_mean((x > y).double() + 0.5 * (x == y).double())
-                paired.append(entry)
+        pairs = [(f"{v} {r}", v, r) for r in ratios for v in methods if v not in ("tome", "todo")]
+        if "todo" in methods and TODO_PAIRED_RATIO in ratios:  # against ToMe at its default ratio
+            pairs.append((TODO_ROW, TODO_ROW, TODO_PAIRED_RATIO))
+        for name, variant, r in pairs:
+            a, b = per_image[name], per_image[f"tome {r}"]
+            entry: dict[str, Any] = {"ratio": r, "variant": variant}
+            for key in ("psnr_db", "ssim"):
+                x, y = (
+                    torch.tensor(a[key], dtype=torch.float64),
+                    torch.tensor(b[key], dtype=torch.float64),
+                )
+                entry[f"delta_{key}"] = bootstrap_mean(x - y)
+                entry[f"closer_{key}"] = bootstrap_mean((x > y).double() + 0.5 * (x == y).double())
+            paired.append(entry)
     return {"pictures": len(prompts), "prompts": prompts, "seeds": seeds, "other_seeds": other_seeds,
             "steps": steps, "guidance_scale": guidance_scale, "compiler": compiler, "ratios": ratios,
             "rows": rows, "paired": paired, "per_image": per_image}
@@ -155,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.3, 0.5, 0.7])
     parser.add_argument("--variants", nargs="+", default=["tome", "importance"],
                         help="tome, importance, and plan reuse: METHOD[-shared][-everyK] "
-                             "(e.g. tome-shared tome-shared-every3); paired deltas are against tome")
+                             "(e.g. tome-shared tome-shared-every3), and todo (K/V downsampled 2x, one "
+                             "row, no ratio); paired deltas are against tome")
     parser.add_argument("--seeds", type=positive_int, default=4, help="seeds per prompt (30 prompts)")
     parser.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, help="DDIM steps")
     parser.add_argument("--guidance-scale", "--guidance", dest="guidance_scale", type=float,
@@ -176,8 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--variants {args.variants}: include tome, the reference of the paired deltas")
         for r in args.ratios:
             for variant in args.variants:
+                if variant == "todo":
+                    continue
                 if variant.split("-")[0] not in ("tome", "importance"):
-                    raise ValueError(f"--variants: {variant!r} must start with tome or importance")
+                    raise ValueError(f"--variants: {variant!r} must be todo or start with tome or importance")
                 ToMeConfig(ratio=r, method=variant.split("-")[0], **variant_options(variant))
         if args.seeds < 1:
             raise ValueError(f"--seeds {args.seeds} must be >= 1 (4 gives the default 120 pairs)")
