@@ -20,12 +20,12 @@ from export_helpers import (
 from tome_compile.export import cli, export_onnx
 from tome_compile.export.cli import main
 
-from tome_compile import ToMeConfig
+from tome_compile import ToMeConfig, ToMeExportError
 
 
 def test_cli_success_into_an_optimum_folder(tmp_path, sd15_folder, capsys):
     # the README's flow in one export: --into an Optimum folder, a ratio, the CPU optimizer (the plain
-    # OUT.onnx path's files are checked by test_stale_partial_folders_are_swept)
+    # OUT.onnx path's files are checked by test_todo.py's tome-export test)
     folder = _optimum_folder(tmp_path)
     code = main(["--into", str(folder)] + _base(sd15_folder) + ["--ratio", "0.4", "--optimize", "cpu"])
     printed = capsys.readouterr().out
@@ -182,7 +182,7 @@ def test_disk_full_is_one_line(tmp_path, sd15_folder, capsys, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_stale_partial_folders_are_swept(tmp_path, sd15_folder, capsys):
+def test_stale_partial_folders_are_swept(tmp_path, sd15_folder, capsys, monkeypatch):
     import subprocess
     import sys
 
@@ -197,9 +197,19 @@ def test_stale_partial_folders_are_swept(tmp_path, sd15_folder, capsys):
     live.mkdir()
     other = tmp_path / ".y.onnx.partial-1-ghi"  # another output's: not ours to judge
     other.mkdir()
-    assert main([str(tmp_path / "x.onnx"), "--no-rand"] + _base(sd15_folder) + FIXED) == 0
+    # the sweep happens when the export makes its own folder; the conversion is not what is tested
+    # (test_cli_success_into_an_optimum_folder and test_export.py write whole files): it fails here
+    from tome_compile.export import onnx_export
+
+    def convert_fails(run):
+        assert run.tmp is not None and run.tmp.parent == tmp_path
+        raise ToMeExportError("no conversion in this test")
+
+    monkeypatch.setitem(onnx_export._STAGE_FUNCTIONS, "convert", convert_fails)
+    assert main([str(tmp_path / "x.onnx"), "--no-rand"] + _base(sd15_folder) + FIXED) == 2
+    assert "no conversion in this test" in capsys.readouterr().err
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == sorted([live.name, other.name, "x.onnx", "x.onnx.data"])
+    assert names == sorted([live.name, other.name])  # the dead one swept, ours removed on failure
 
 
 def test_sigterm_cleans_up(tmp_path, sd15_folder):

@@ -170,6 +170,7 @@ def test_tome_export_method_todo_serves_every_size_with_fused_attention(tmp_path
     assert main([str(out), *_base(sd15_folder), "--method", "todo", "--downsample-factor", "2"]) == 0
     printed = capsys.readouterr().out
     assert "rewrote 3 of 8" in printed and "8 com.microsoft.MultiHeadAttention" in printed, printed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["todo.onnx", "todo.onnx.data"]  # OUT.onnx's files
     model = onnx.load(str(out), load_external_data=False)
     assert [i.name for i in model.graph.input] == ["sample", "timestep", "encoder_hidden_states"]
     # one downsample per rewritten site, and the U-Net's own upsampler
