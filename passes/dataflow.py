@@ -18,8 +18,8 @@ from torch import fx
 __all__ = [
     "BADDBMM_OPS", "BMM_OPS", "CAT_OPS", "CONV_OPS", "LAYER_NORM_OPS", "LINEAR_OPS", "SDPA_OPS",
     "SOFTMAX_OPS", "TENSOR_CONSTANT_OPS", "TIME_EMBED_OPS", "common_path", "descends", "describe", "entry",
-    "is_call", "is_shape_op", "module_path", "node_shape", "output_projection", "projection_of", "qkv",
-    "readers", "reference_of",
+    "is_call", "is_shape_op", "joint_parts", "module_path", "node_shape", "output_projection",
+    "projection_of", "qkv", "readers", "reference_of",
 ]
 
 # Recognised op variants, one table: Dynamo (torch level) -> torch.export (aten level).
@@ -153,6 +153,52 @@ def projection_of(node: Any) -> fx.Node | None:
         else:
             return None
     return None
+
+
+def joint_parts(node: Any, limit: int = 32) -> tuple[list[Any], bool] | None:
+    """Joint attention: queries read from a concatenation of sequences of different streams, as SD3
+    and Flux build them. Double stream (SD3's ``JointAttnProcessor2_0``, Flux's double blocks):
+    the image tokens' ``to_q`` and the text tokens' ``add_q_proj`` concatenated after projection
+    (through a ``qk_norm`` and a rotary embedding); single stream (Flux's single blocks): one
+    ``to_q`` of a ``[B, N, C]`` sequence concatenated before it. Walks back the first input of each
+    node. Returns (the token count of each part, or None where unknown; single stream), or None."""
+    projected = False
+    for _ in range(limit):
+        if not isinstance(node, fx.Node) or node.op != "call_function" and node.op != "call_method":
+            return None
+        if is_call(node, CAT_OPS) or (node.op == "call_method" and node.target == "cat"):
+            parts = node.args[0] if node.args else node.kwargs.get("tensors")
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+            shape = node_shape(node)
+            if (not isinstance(parts, (list, tuple)) or len(parts) < 2 or shape is None
+                    or (projected and len(shape) != 3)):
+                return None
+            if not projected and not all(isinstance(p, fx.Node) and _descends_to_linear(p) for p in parts):
+                return None
+            shapes = [node_shape(p) for p in parts]
+            return [s[dim] if s is not None and -len(s) <= dim < len(s) else None for s in shapes], projected
+        if is_call(node, LINEAR_OPS):
+            if projected:
+                return None
+            projected = True
+        inputs = node.all_input_nodes
+        if not inputs:
+            return None
+        node = inputs[0]
+    return None
+
+
+def _descends_to_linear(node: fx.Node, limit: int = 24) -> bool:
+    """``node`` is computed from a linear projection within ``limit`` nodes (through norms, rotary
+    products and shape ops: the first input of each node)."""
+    for _ in range(limit):
+        if is_call(node, LINEAR_OPS):
+            return True
+        inputs = node.all_input_nodes
+        if not inputs:
+            return False
+        node = inputs[0]
+    return False
 
 
 def readers(node: Any, x: fx.Node) -> list[fx.Node]:

@@ -35,6 +35,7 @@ from tome_compile.passes.dataflow import (
     describe,
     entry,
     is_call,
+    joint_parts,
     module_path,
     node_shape,
     output_projection,
@@ -108,7 +109,7 @@ class AttentionSite:
     """
 
     path: str
-    kind: str  # "self-attention" | "cross-attention"
+    kind: str  # "self-attention" | "cross-attention" | "joint-attention" (skipped) | "unknown" (skipped)
     form: str  # "sdpa" | "classic"
     anchor: fx.Node
     input: fx.Node
@@ -174,8 +175,14 @@ def find_attention_sites(gm: fx.GraphModule, spans: Sequence[tuple[int, int]] | 
         q, k, v, form = ops
         pq, pk, pv = (projection_of(t) for t in (q, k, v))
         if pq is None or pk is None or pv is None:
-            problem = "q/k/v are not linear projections"
-            sites.append(AttentionSite(path=module_path(node), kind="unknown", form=form, anchor=node,
+            joint = joint_parts(q)
+            parts = joint[0] if joint else None
+            problem = (("single-stream " if joint[1] else "") + "joint attention over two streams in one "
+                       "sequence (" + " + ".join("?" if n is None else str(size_hint(n)) for n in parts)
+                       + " tokens of image and text, as in SD3 / Flux): not merged yet"
+                       if joint else "q/k/v are not linear projections")
+            sites.append(AttentionSite(path=module_path(node), kind="joint-attention" if parts else "unknown",
+                                       form=form, anchor=node,
                                        input=node, output=None, problem=problem, anchors=(node,)))
             continue
         path = common_path([pq, pk, pv, output_projection(node)]) or module_path(node)
@@ -215,7 +222,7 @@ def find_attention_sites(gm: fx.GraphModule, spans: Sequence[tuple[int, int]] | 
             continue
         sites.append(site)
     for site in sites:
-        if site.kind != "unknown":
+        if site.kind not in ("unknown", "joint-attention"):
             _bound(site, shape_ok=any_size)
     return sites
 

@@ -189,3 +189,64 @@ def test_a_region_that_hands_out_another_value_is_skipped_with_the_node_named():
     assert kept.reason.startswith("its region hands out ") and "attn1.to_q" in kept.reason
     assert kept.reason.endswith("besides its output")
     assert len(keeping.kept) == 1 and keeping.kept[0].shape == (2, 256, 32)  # kept whole
+
+
+def tiny_sd3():
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, num_layers=2,
+                                  attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
+                                  caption_projection_dim=16, pooled_projection_dim=16, out_channels=4,
+                                  pos_embed_max_size=32)
+    inputs = dict(hidden_states=torch.randn(2, 4, 16, 16), encoder_hidden_states=torch.randn(2, 5, 32),
+                  pooled_projections=torch.randn(2, 16), timestep=torch.tensor([999.0, 999.0]))
+    return model.eval(), inputs
+
+
+def tiny_flux():
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                   pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
+    grid = torch.arange(64)
+    image_ids = torch.stack([torch.zeros(64), grid // 8, grid % 8], dim=1).float()
+    inputs = dict(hidden_states=torch.randn(1, 64, 16), encoder_hidden_states=torch.randn(1, 5, 32),
+                  pooled_projections=torch.randn(1, 16), timestep=torch.tensor([1.0]), img_ids=image_ids,
+                  txt_ids=torch.zeros(5, 3))
+    return model.eval(), inputs
+
+
+@pytest.mark.parametrize("build, expected", [
+    (tiny_sd3, {"transformer_blocks.0.attn": "joint attention over two streams in one sequence (64 + 5",
+                "transformer_blocks.1.attn": "joint attention over two streams in one sequence (64 + 5"}),
+    (tiny_flux, {"transformer_blocks.0.attn": "joint attention over two streams in one sequence (5 + 64",
+                 "single_transformer_blocks.0.attn": "single-stream joint attention over two streams in one "
+                                                     "sequence (5 + 64"}),
+])
+def test_joint_attention_of_sd3_and_flux_is_named_and_left_whole(build, expected):
+    """#38 is not built yet: SD3's and Flux's joint attention (text and image tokens concatenated
+    into one sequence, Flux's rotary embedding between projection and attention) is reported as
+    what it is, with each stream's token count, and nothing is merged (the output is the plain
+    model's, bit for bit) — not "q/k/v are not linear projections"."""
+    from tome_compile import ToMeWarning, tome_backend
+
+    model, inputs = build()
+    backend = tome_backend(0.5, compiler="eager")
+    compiled_model = torch.compile(model, backend=backend, fullgraph=True)
+    with pytest.warns(ToMeWarning, match="rewrote nothing: .*joint attention"):
+        got = compiled_model(**inputs, return_dict=False)[0]
+    with torch.no_grad():
+        assert torch.equal(got, model(**inputs, return_dict=False)[0])
+    result = report(backend)
+    assert {s.path: s.kind for s in result.sites} == dict.fromkeys(expected, "joint-attention")
+    for site in result.sites:
+        assert not site.rewritten and site.reason.startswith(expected[site.path]), site.reason
+        assert site.reason.endswith("tokens of image and text, as in SD3 / Flux): not merged yet")
+    # negative: a U-Net's self- and cross-attention are never read as joint attention
+    unet = tiny_unet()
+    unet_model, unet_backend = compiled(unet, ratio=0.5, use_rand=False)
+    call(unet_model, tiny_inputs(unet))
+    assert {s.kind for s in report(unet_backend).sites} == {"self-attention", "cross-attention"}
