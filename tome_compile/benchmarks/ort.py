@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         default=["baseline", "tome", "oracle"],
         help="baseline, tome, oracle, and plan reuse: tome-shared (share_plan=True; 'shared' "
         "for short), tome-shared-every3 (+ plan_every=3: a round times a cycle of 3 calls "
-        "and reports the mean), tome-every2, ...",
+        "and reports the mean), tome-every2, ...; todo (ToDo: keys and values downsampled 2x)",
     )
     parser.add_argument("--reuse", action="store_true",
                         help="reuse models already exported to --workdir by an earlier run")
@@ -113,13 +113,15 @@ def main(argv: list[str] | None = None) -> int:
                 variants[name] = (ToMeConfig(ratio=0.0), False, static)
             elif base == "oracle":
                 variants[name] = (ToMeConfig(ratio=args.ratio, seed=0), True, static)
+            elif base == "todo":  # ToDo: keys and values downsampled 2x per axis, no ratio, nothing planned
+                variants[f"{name} x2"] = (ToMeConfig(method="todo", seed=0), False, static)
             elif base.split("-")[0] in ("tome", "shared"):
                 options = variant_options("tome-shared" if base == "shared" else base)
                 variants[f"{name} {args.ratio}"] = (ToMeConfig(ratio=args.ratio, seed=0, **options), False,
                                                     static)
             else:
                 raise ToMeError(f"unknown variant {name!r}: use baseline, oracle, tome[-shared][-everyK], "
-                                "each optionally -static")
+                                "todo, each optionally -static")
     except ToMeError as e:
         parser.error(str(e))
     workdir = Path(args.workdir)
