@@ -78,7 +78,7 @@ def server():
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(base, 300)
+        wait_healthy(base, 600)  # the replica compiles and warms up each ratio: minutes on a loaded 2-core CI
     except TimeoutError:
         process.kill()
         log.seek(0)
