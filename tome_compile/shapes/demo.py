@@ -22,10 +22,14 @@ import torch
 from tome_compile.arguments import image_size, parse_command_line, positive_int
 from tome_compile.errors import ToMeError
 from tome_compile.shapes.grid import labelled_grid
-from tome_compile.shapes.sample import DEFAULT_GUIDANCE, DEFAULT_STEPS, compile_unet, write_atomically
+from tome_compile.shapes.sample import (
+    DEFAULT_GUIDANCE,
+    DEFAULT_STEPS,
+    TODO_ROW,
+    compile_unet,
+    write_atomically,
+)
 from tome_compile.targets import load_target
-
-TODO_ROW = "todo x2"  # ToDo: keys and values of the token grid downsampled 2x per axis (no ratio)
 
 __all__ = ["main"]
 

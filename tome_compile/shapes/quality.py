@@ -31,14 +31,13 @@ import torch
 
 from tome_compile.arguments import parse_command_line, positive_int
 from tome_compile.errors import ToMeError
-from tome_compile.shapes.sample import DEFAULT_GUIDANCE, DEFAULT_STEPS, write_atomically
+from tome_compile.shapes.sample import DEFAULT_GUIDANCE, DEFAULT_STEPS, TODO_ROW, write_atomically
 
 __all__ = ["main", "run_quality"]
 
 logger = logging.getLogger(__name__)
 
 NOISE_FLOOR_SEED = 1_000_000  # the second plain seed set starts here
-TODO_ROW = "todo x2"  # ToDo's row: keys and values of the grid downsampled 2x per axis, no ratio
 TODO_PAIRED_RATIO = 0.5  # paired against ToMe at its default ratio
 
 

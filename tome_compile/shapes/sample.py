@@ -14,15 +14,19 @@ from typing import Any
 
 import torch
 
+from tome_compile.config import ToMeConfig
 from tome_compile.shapes.model import ShapesModel
 
-__all__ = ["DEFAULT_GUIDANCE", "DEFAULT_STEPS", "compile_unet", "generate", "write_atomically"]
+__all__ = ["DEFAULT_GUIDANCE", "DEFAULT_STEPS", "TODO_ROW", "compile_unet", "generate", "write_atomically"]
 
 # Chosen on held-out seeds (500-503, every prompt; not the demo's or the benchmark's seeds): with
 # the shipped weights, probe accuracy 94% at 12 DDIM steps / guidance 2.5, 76% at 20 steps /
 # guidance 3. More steps make this small model add spurious detail at low noise levels.
 DEFAULT_STEPS = 12
 DEFAULT_GUIDANCE = 2.5
+# The row of ToDo at its defaults (keys and values of the token grid downsampled per axis; no
+# ratio), in the demo and the quality benchmark: named after the factor the backend runs with.
+TODO_ROW = f"todo x{ToMeConfig(method='todo').downsample_factor}"
 
 
 @torch.no_grad()
