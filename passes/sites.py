@@ -176,13 +176,11 @@ def find_attention_sites(gm: fx.GraphModule, spans: Sequence[tuple[int, int]] | 
         pq, pk, pv = (projection_of(t) for t in (q, k, v))
         if pq is None or pk is None or pv is None:
             joint = joint_parts(q)
-            parts = joint[0] if joint else None
-            problem = (("single-stream " if joint[1] else "") + "joint attention over two streams in one "
-                       "sequence (" + " + ".join("?" if n is None else str(size_hint(n)) for n in parts)
-                       + " tokens of image and text, as in SD3 / Flux): not merged yet"
-                       if joint else "q/k/v are not linear projections")
-            sites.append(AttentionSite(path=module_path(node), kind="joint-attention" if parts else "unknown",
-                                       form=form, anchor=node,
+            if joint is None:
+                kind, problem = "unknown", "q/k/v are not linear projections"
+            else:
+                kind, problem = "joint-attention", _joint_problem(*joint)
+            sites.append(AttentionSite(path=module_path(node), kind=kind, form=form, anchor=node,
                                        input=node, output=None, problem=problem, anchors=(node,)))
             continue
         path = common_path([pq, pk, pv, output_projection(node)]) or module_path(node)
@@ -225,6 +223,14 @@ def find_attention_sites(gm: fx.GraphModule, spans: Sequence[tuple[int, int]] | 
         if site.kind not in ("unknown", "joint-attention"):
             _bound(site, shape_ok=any_size)
     return sites
+
+
+def _joint_problem(parts: list[Any], single_stream: bool) -> str:
+    """Why a joint attention (SD3 / Flux: two streams in one sequence) is skipped, with each stream's
+    token count."""
+    counts = " + ".join("?" if n is None else str(size_hint(n)) for n in parts)
+    return (f"{'single-stream ' if single_stream else ''}joint attention over two streams in one sequence "
+            f"({counts} tokens of image and text, as in SD3 / Flux): not merged yet")
 
 
 def _join(site: AttentionSite, other: AttentionSite) -> None:
