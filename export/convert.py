@@ -92,7 +92,8 @@ def forget_rewriter_matches() -> None:
     next export. With ``release_weights`` that kept 86% of SDXL's weights (every attention
     ``Linear``) resident under the parity session. A matcher's state is rebuilt at the start of
     each match, so clearing it changes nothing for later exports. Best effort: an onnxscript
-    without these attributes is left as it is (``test_no_rand_export_equals_tomesd_at_any_batch`` notices)."""
+    without these attributes is left as it is
+    (``test_no_rand_portable_export_equals_tomesd_at_any_batch_and_size`` notices)."""
     try:
         from onnxscript.rewriter._matcher import PatternMatcher
     except ImportError:

@@ -175,18 +175,18 @@ def test_fp16_export_runs_on_the_cpu_ep(tmp_path, unet, exported):
         for n in scatters
         if any(a.name == "reduction" and a.s == b"add" for a in n.attribute)
     )
-    feed = standard_feed(2)
-    half = ort_session(result.path).run(
-        None,
-        {
-            k: v.astype(np.float16) if v.dtype == np.float32 and k != "timestep" else v
-            for k, v in feed.items()
-        },
-    )[0]
-    full = ort_session(exported.path).run(None, feed)[0]
-    assert half.dtype == np.float16
-    # fp16 vs the fp32 export: same destinations, fp16 rounding only
-    assert np.abs(half.astype(np.float32) - full).max() < 2e-2 * max(1.0, float(np.abs(full).max()))
+    half_session, full_session = ort_session(result.path), ort_session(exported.path)
+    # #34: the fp16 file takes every size too — the traced one and a non-square one (24 x 16 latent)
+    for hw in ((16, 16), (24, 16)):
+        feed = standard_feed(2)
+        feed["sample"] = torch.randn(2, 4, *hw, generator=torch.Generator().manual_seed(1)).numpy()
+        half = half_session.run(
+            None, {k: v.astype(np.float16) if v.dtype == np.float32 and k != "timestep" else v
+                   for k, v in feed.items()})[0]
+        full = full_session.run(None, feed)[0]
+        assert half.dtype == np.float16 and half.shape == (2, 4, *hw)
+        # fp16 vs the fp32 export: same destinations, fp16 rounding only
+        assert np.abs(half.astype(np.float32) - full).max() < 2e-2 * max(1.0, float(np.abs(full).max()))
 
 
 def test_fp16_parity_session_keeps_the_weights_fp16(exported):
