@@ -67,7 +67,7 @@ def _model_arguments(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--width", type=int, default=512, help="image width traced and checked (see --height)")
     p.add_argument("--batch", type=int, default=2,
                    help="batch checked (the file takes any batch unless --static-batch; importance: "
-                        "the batch of the export, 2 = one CFG pair)")
+                        "any even batch, in CFG pairs — with --partition-input or --plan-every this one)")
     p.add_argument(
         "--seq-len", type=int, default=77, help="text tokens in encoder_hidden_states (default 77)"
     )

@@ -12,9 +12,12 @@ from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeExportError
 from tome_compile.inputs import ToMeInputSpec
 
-__all__ = ["METADATA_KEY", "METADATA_VERSION", "ExportMetadata"]
+__all__ = ["METADATA_KEY", "METADATA_VERSION", "PAIRS_AXIS", "ExportMetadata"]
 
 METADATA_KEY = "tome_compile"
+# ``batch`` of an importance export that takes any batch of classifier-free-guidance pairs (an even
+# batch, the uncond and cond halves), and the name of its map input's row axis: one row per pair
+PAIRS_AXIS = "cfg_pairs"
 METADATA_VERSION = 2  # 2: the ToMe inputs are described by ToMeInputSpec.to_json() under "tome_inputs"
 
 
@@ -29,7 +32,7 @@ class ExportMetadata:
     tome_inputs: list[ToMeInputSpec] = field(default_factory=list)  # the ones the pass appended
     output: str = "out_sample"
     tome_outputs: list[ToMeInputSpec] = field(default_factory=list)  # plan_every's plans, fed back
-    batch: int | str = "dynamic"
+    batch: int | str = "dynamic"  # or PAIRS_AXIS, or the one batch of a fixed-batch file
     height: int | None = None
     width: int | None = None
     seq_len: int | None = None

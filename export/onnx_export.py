@@ -35,7 +35,7 @@ import torch
 from tome_compile.export import parity
 from tome_compile.export.convert import check_opset, convert_to_onnx, postprocess
 from tome_compile.export.inventory import InventoryReport, check_op_inventory
-from tome_compile.export.metadata import METADATA_KEY, ExportMetadata
+from tome_compile.export.metadata import METADATA_KEY, PAIRS_AXIS, ExportMetadata
 from tome_compile.export.ort_optimizer import optimize_for_ort
 from tome_compile.export.output_files import (
     check_output_path,
@@ -103,6 +103,9 @@ class ExportResult:
     fusions: dict[str, int] = field(default_factory=dict)
 
 
+MAX_PAIRS = 1024  # the largest batch of CFG pairs an importance export is traced to take
+
+
 def _dynamic_shapes(run: _Run) -> tuple[Any, ...] | None:
     """The dynamic axes of each graph input: the batch of the U-Net's per-image inputs and of the
     ToMe inputs whose spec has one (plan_every's fed-back plans); in an export for every size also
@@ -110,12 +113,15 @@ def _dynamic_shapes(run: _Run) -> tuple[Any, ...] | None:
     if not run.dynamic and not run.sizes:
         return None
     assert run.result is not None
-    batch = torch.export.Dim.DYNAMIC if run.dynamic else None
+    rows = batch = torch.export.Dim.DYNAMIC if run.dynamic else None
+    if run.pairs:  # the batch is two rows per CFG pair; the importance map one
+        rows = torch.export.Dim(PAIRS_AXIS, min=1, max=MAX_PAIRS)
+        batch = 2 * rows
     axes = {name: dynamic_axes(name, batch if name in run.family.per_image else None, run.sizes)
             for name in run.family.names}
     for spec in run.result.inputs:
         has_batch = batch is not None and spec.batch_axis is not None
-        axes[spec.name] = {spec.batch_axis: batch} if has_batch else {}
+        axes[spec.name] = {spec.batch_axis: rows} if has_batch else {}
         if spec.draw == "importance" and run.sizes:  # the map [P, H, W]: the latent's size, in axes of
             # its own (merge.fit_importance resizes it to the latent's: no size is read off the map)
             axes[spec.name].update({1: run.sizes["map_height"], 2: run.sizes["map_width"]})
@@ -128,8 +134,10 @@ class ExportOptions:
 
     Attributes:
         batch: the batch of a static export; with ``dynamic_batch`` (default) the file takes any
-            batch (traced at ``max(batch, 2)``, checked there and at 1). Importance exports keep
-            ``batch``: their map input is per CFG pair.
+            batch (traced at ``max(batch, 2)``, checked there and at 1). An importance export
+            takes any batch of CFG pairs (even; traced at ``max(batch, 4)``, checked there and at
+            2): its map input has one row per pair. With ``partition_input`` or plan reuse (inputs
+            sized per image) it keeps ``batch``.
         portable: plain ONNX attention (MatMul/Softmax) instead of ``com.microsoft.MultiHeadAttention``.
         partition_input: take the destinations as a ``tome_partition`` input drawn by the caller
             (bit-exact with ``tome_backend(seed=)``) instead of hashing them in the graph from the
@@ -203,6 +211,7 @@ class _Run:
     family: ModelFamily  # its inputs' names, batch axes, layout
     dynamic: bool
     traced: int
+    pairs: bool = False  # a dynamic batch in CFG pairs (importance: its map has one row per pair)
     sizes: dict[str, Any] | None = None  # symbolic height / width / text axes (tracing.size_axes)
     multiple: int = 1  # what the latent's height and width must be a multiple of
     gm: fx.GraphModule | None = None
@@ -277,11 +286,16 @@ def _prepare(unet: torch.nn.Module, out: Path, config: ToMeConfig, o: ExportOpti
     family = family_of(unet)
     if o.frames is not None and family.video_layout is None:
         raise ToMeExportError(f"frames={o.frames} is for video U-Nets; {type(unet).__name__} takes images")
-    importance = config.method == "importance" and config.enabled  # its map input is per CFG pair
-    dynamic = o.dynamic_batch and not importance and family.dynamic_batch
-    # torch.export specialises a dynamic axis traced at size 1: trace a dynamic batch at >= 2
-    # (the parity check still runs batch 1)
-    traced = max(o.batch, 2) if dynamic else o.batch
+    # importance's map input has one row per CFG pair: its file takes any batch of pairs (an even
+    # batch: the uncond and cond halves), drawn and checked in pairs; with a drawn partition or fed
+    # back plans (inputs sized per image) it keeps its batch
+    importance = config.method == "importance" and config.enabled
+    pairs = (o.dynamic_batch and importance and family.dynamic_batch and o.batch % 2 == 0
+             and not o.partition_input and not config.reuses_plans)
+    dynamic = o.dynamic_batch and family.dynamic_batch and (pairs or not importance)
+    # torch.export specialises a dynamic axis traced at size 1: trace a dynamic batch at >= 2, in
+    # pairs at >= 2 pairs (the parity check still runs batch 1, or one pair)
+    traced = max(o.batch, 4 if pairs else 2) if dynamic else o.batch
     inputs = example_inputs(unet, batch=traced, height=o.height, width=o.width, seq_len=o.seq_len,
                             seed=o.seed, dtype=dtype, frames=o.frames)
     # Optimum's and diffusers' ONNX pipelines send the timestep as float32 of shape [1]; PixArt's
@@ -298,7 +312,7 @@ def _prepare(unet: torch.nn.Module, out: Path, config: ToMeConfig, o: ExportOpti
                                   "downsampling) on each side")
         sizes = size_axes(multiple)
     return _Run(unet=unet, out=out, config=config, options=o, inputs=inputs, family=family, dynamic=dynamic,
-                traced=traced, sizes=sizes, multiple=multiple)
+                traced=traced, pairs=pairs, sizes=sizes, multiple=multiple)
 
 
 def _stage_trace(run: _Run) -> None:
@@ -366,7 +380,7 @@ def _metadata(run: _Run) -> ExportMetadata:
         tome_inputs=list(result.inputs),
         output=OUTPUT_NAME,
         tome_outputs=list(result.outputs),
-        batch="dynamic" if run.dynamic else o.batch,
+        batch=PAIRS_AXIS if run.pairs else "dynamic" if run.dynamic else o.batch,
         height=o.height,
         width=o.width,
         seq_len=o.seq_len,
@@ -404,11 +418,13 @@ def _stage_inventory(run: _Run) -> None:
 
 def _stage_parity(run: _Run) -> None:
     assert run.result is not None and run.gm is not None and run.model is not None
+    one = 2 if run.pairs else 1  # the smallest batch the file takes
     run.checks = parity.parity_checks(run.result, run.gm, run.args, run.extra, run.family, run.options.seed,
-                                      run.traced if run.dynamic else None)
+                                      run.traced if run.dynamic else None, keep=one)
     if run.sizes is not None:
         run.checks.append(other_size_check(run.unet, run.inputs, run.result, o=run.options,
-                                           multiple=run.multiple, batch=1 if run.dynamic else run.traced))
+                                           multiple=run.multiple, batch=one if run.dynamic else run.traced,
+                                           pairs=run.pairs))
     run.references = parity.references(run.gm, run.checks)  # before the session loads: release_weights
     if run.options.release_weights:
         _release_weights(run.unet, run.gm)

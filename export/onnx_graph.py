@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
+from tome_compile.export.metadata import PAIRS_AXIS
 
 __all__ = ["count_ops", "keep_scatter_fp32", "name_axes", "set_input_defaults"]
 
@@ -135,7 +136,7 @@ AXIS_NAMES = {
     "text_embeds": ("batch_size", None),
     "time_ids": ("batch_size", None),
     # the latent's size, in axes of its own: a client that feeds no map gets the traced-size default
-    "tome_importance": (None, "importance_height", "importance_width"),
+    "tome_importance": (PAIRS_AXIS, "importance_height", "importance_width"),
 }
 
 

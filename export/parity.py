@@ -94,12 +94,13 @@ def example_tome_inputs(result: ToMeResult, seed: int, with_map: bool = True) ->
 
 
 def parity_checks(result: ToMeResult, gm: fx.GraphModule, args: tuple[torch.Tensor, ...],
-                  extra: list[torch.Tensor], family: ModelFamily, seed: int, traced: int | None
-                  ) -> list[ParityCheck]:
+                  extra: list[torch.Tensor], family: ModelFamily, seed: int, traced: int | None,
+                  keep: int = 1) -> list[ParityCheck]:
     """The traced call; importance's fallback branch; plan_every's reusing branch (fed the plans
-    PyTorch made); with ``traced`` (a dynamic batch traced at that size) batch 1 from the same file:
-    one row of each of the family's per-image inputs (the timestep has no batch axis; a ToMe input
-    has the one its spec names, ``ToMeInputSpec.batch_axis``)."""
+    PyTorch made); with ``traced`` (a dynamic batch traced at that size) the smallest batch from
+    the same file, ``keep`` rows (1; an importance file in CFG pairs: 2) of each of the family's
+    per-image inputs (the timestep has no batch axis; a ToMe input has the one its spec names,
+    ``ToMeInputSpec.batch_axis``, and keeps its share)."""
     made = None
     if result.outputs:  # the traced call's plans feed the reusing check; its output is the reference
         with torch.no_grad(), Fp32Compute():
@@ -112,18 +113,18 @@ def parity_checks(result: ToMeResult, gm: fx.GraphModule, args: tuple[torch.Tens
         fed = draw_tome_inputs(result.inputs, PartitionSampler(seed), None, "cpu", plans=(made[1], made[2]))
         checks.append(ParityCheck("reused plans", tuple(args), tuple(fed)))
     if traced is not None:
-        one = tuple(a[:1] if name in family.per_image else a
+        one = tuple(a[:keep] if name in family.per_image else a
                     for name, a in zip(family.names, args, strict=True))
-        one_extra = tuple(_one_image(e, spec.batch_axis, traced)
+        one_extra = tuple(_share(e, spec.batch_axis, keep, traced)
                           for spec, e in zip(result.inputs, extra, strict=True))
-        checks.append(ParityCheck("batch 1", one, one_extra))
+        checks.append(ParityCheck(f"batch {keep}", one, one_extra))
     return checks
 
 
-def _one_image(value: torch.Tensor, axis: int | None, batch: int) -> torch.Tensor:
-    """One image's share of a ToMe input traced at ``batch`` (its spec's batch axis; plan state is
-    batch-major)."""
-    return value if axis is None else value.narrow(axis, 0, value.shape[axis] // batch)
+def _share(value: torch.Tensor, axis: int | None, keep: int, batch: int) -> torch.Tensor:
+    """The share of ``keep`` images of a ToMe input traced at ``batch`` (its spec's batch axis: plan
+    state is batch-major, the importance map one row per CFG pair)."""
+    return value if axis is None else value.narrow(axis, 0, value.shape[axis] * keep // batch)
 
 
 def references(gm: fx.GraphModule, checks: list[ParityCheck]) -> dict[str, np.ndarray]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tome_compile.export.metadata import ExportMetadata
+from tome_compile.export.metadata import PAIRS_AXIS, ExportMetadata
 from tome_compile.export.parity import default_providers
 
 from tome_compile.errors import ToMeExportError
@@ -212,10 +212,11 @@ class ToMeSession:
         if len(want) != len(shape) or any(
             isinstance(d, int) and d != got for d, got in zip(want, shape, strict=True)
         ):
-            fixed = ("the batch of importance exports is fixed; export again for another"
-                     if self.meta.any_size else "the image size and text length are fixed per export "
-                     "(--static, and the --partition-input / --plan-every / video / DiT / "
-                     "multi-view forms), and the batch of importance exports; export again for another")
+            fixed = ("the batch of an importance export with a drawn partition or plan reuse is fixed; "
+                     "export again for another" if self.meta.any_size else
+                     "the image size and text length are fixed per export (--static, and the "
+                     "--partition-input / --plan-every / video / DiT / multi-view forms), and the batch "
+                     "of importance exports with a drawn partition or plan reuse; export again for another")
             raise ToMeExportError(f"{name} has shape {shape}, this export takes {tuple(want)} ({fixed})")
         multiple = int(self.meta.latent_multiple or 1)
         if name == "sample" and self.meta.any_size and len(shape) == 4 \
@@ -338,10 +339,15 @@ class ToMeSession:
         """Inputs with a dynamic batch axis must have the sample's batch (ORT would say it deep
         inside an attention node)."""
         batch = int(feed["sample"].shape[0])
+        if self.meta.batch == PAIRS_AXIS and batch % 2:
+            raise ToMeExportError(
+                f"sample has batch {batch}; this importance export takes classifier-free-guidance pairs "
+                "(an even batch: the uncond half, then the cond half), its map one row per pair; "
+                "run with a guidance scale > 1, or export with --method tome for a batch without pairs")
         for name, value in feed.items():
             dims = self.inputs[name].shape if name in self.inputs else []
-            if name != "sample" and dims and not isinstance(dims[0], int) and len(value.shape) \
-                    and int(value.shape[0]) != batch:
+            if name != "sample" and dims and not isinstance(dims[0], int) and dims[0] != PAIRS_AXIS \
+                    and len(value.shape) and int(value.shape[0]) != batch:
                 raise ToMeExportError(
                     f"{name} has batch {int(value.shape[0])}, the sample has {batch}: one row "
                     "per sample (with classifier-free guidance, repeat the text embeddings "
@@ -373,6 +379,8 @@ class ToMeSession:
         specs = self.specs
         if self.meta.any_size:  # the importance map follows the call's latent
             specs = [spec.at_latent(int(shape[-2]), int(shape[-1])) for spec in specs]
+        if self.meta.batch == PAIRS_AXIS:  # ... and its rows the call's CFG pairs
+            specs = [spec.with_rows(shape[0] // 2) for spec in specs]
         values = self.driver.inputs(call, specs, "cpu")
         feed.update({spec.name: value.numpy() for spec, value in zip(specs, values, strict=True)
                      if call.plans is not None or spec.draw not in ("plan_slot", "plan_weight", "reuse")})

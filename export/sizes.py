@@ -36,9 +36,10 @@ def any_size_export(family: ModelFamily, config: ToMeConfig, o: Any) -> bool:
 
 
 def other_size_check(unet: torch.nn.Module, traced: Any, result: ToMeResult, *, o: Any, multiple: int,
-                     batch: int) -> parity.ParityCheck:
+                     batch: int, pairs: bool = False) -> parity.ParityCheck:
     """The call at another size from the same file: the traced latent two multiples taller, a
-    shorter text, batch 1 where the batch is dynamic."""
+    shorter text, the smallest batch where the batch is dynamic (1; ``pairs``, an importance file
+    in CFG pairs: 2, its map one row)."""
     scale = o.height // int(traced.sample.shape[-2])  # pixels per latent row (the VAE's 8)
     height = o.height + 2 * multiple * scale
     seq_len = max(1, o.seq_len - 7)
@@ -47,6 +48,8 @@ def other_size_check(unet: torch.nn.Module, traced: Any, result: ToMeResult, *, 
     inputs.timestep = torch.tensor([float(inputs.timestep)], dtype=torch.float32)
     latent = tuple(int(d) for d in inputs.sample.shape[-2:])
     specs = [spec.at_latent(*latent) for spec in result.inputs]
+    if pairs:
+        specs = [spec.with_rows(batch // 2) for spec in specs]
     extra = parity.example_tome_inputs(dataclasses.replace(result, inputs=specs), o.seed)
     return parity.ParityCheck(f"{height}x{o.width}, text {seq_len}, batch {batch}", tuple(inputs.args()),
                               tuple(extra))

@@ -175,6 +175,10 @@ def merge_self_attention(
     # (1 video x 16 frames is 16 rows and still no pair)
     samples = io.sample_batch
     pairs_of = samples if samples is not None and isinstance(batch, int) and batch % samples == 0 else batch
+    if pairs_of is None and hint is not None and (method or config.method) == "importance" and not oracle:
+        # a symbolic batch (an importance export for any batch of CFG pairs, traced at two pairs):
+        # its rows are laid out as the traced batch's; the map's rows follow the call's pairs
+        pairs_of = hint
     context = pass_context(config, method=method, oracle=oracle, pairs_of=pairs_of, latent=latent, batch=hint)
     kept, specs, failures = ([], [], {})
     if plans:

@@ -27,15 +27,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from tome_compile import ToMeConfig, ToMeExportError, tome_backend
 
 
-def test_portable_export_has_no_contrib_ops(tmp_path, unet):
-    # batch=1 too: a dynamic batch is traced at 2 (torch.export would specialise a size-1 axis)
-    result = export_onnx(copy.deepcopy(unet), tmp_path / "p.onnx", ToMeConfig(ratio=0.5, use_rand=False),
-                         height=HW, width=HW, seq_len=7, atol=1e-4, portable=True, batch=1)
-    model = onnx.load(str(result.path), load_external_data=False)
-    assert {n.domain for n in model.graph.node} == {""} and result.fused_attention == 0
-    assert sum(n.op_type == "Softmax" for n in model.graph.node) == 8
-
-
 def test_unfusable_attention_is_refused_not_half_fused(tmp_path, unet):
     from diffusers.models.attention_processor import AttnProcessor
 
@@ -95,7 +86,10 @@ def test_fp16_references_compute_products_in_fp32(unet):
     assert mode.upcast == 0 and torch.equal(full, call(unet, inputs))
 
 
-def test_no_rand_export_equals_tomesd_at_any_batch(tmp_path, unet):
+def test_no_rand_portable_export_equals_tomesd_at_any_batch_and_size(tmp_path, unet):
+    # --portable (plain ONNX attention, no contrib ops), traced at batch 1 (a dynamic batch is
+    # otherwise traced at 2: torch.export would specialise a size-1 axis); one file for both forms,
+    # whose conversion is the slow part of the test
     # release_weights (what tome-export sets): the PyTorch references are computed first, then the
     # weights freed, so the model and the ORT session are never resident together — their bytes
     # too: onnxscript's rewrite rules kept the exported graph (every attention Linear's weight)
@@ -106,7 +100,8 @@ def test_no_rand_export_equals_tomesd_at_any_batch(tmp_path, unet):
     # another test) raised ReferenceError in isinstance and failed the export
     dead_proxy = weakref.proxy(torch.nn.Identity())
     result = export_onnx(model, tmp_path / "m.onnx", ToMeConfig(ratio=0.5, use_rand=False),
-                         height=HW, width=HW, seq_len=7, atol=1e-4, release_weights=True)
+                         height=HW, width=HW, seq_len=7, atol=1e-4, release_weights=True, portable=True,
+                         batch=1)
     assert result.parity_max_abs is not None and result.parity_max_abs < 1e-4
     assert all(p.numel() == 0 for p in model.parameters()) and all(p.numel() > 0 for p in unet.parameters())
     gc.collect()
@@ -114,6 +109,9 @@ def test_no_rand_export_equals_tomesd_at_any_batch(tmp_path, unet):
     with pytest.raises(ReferenceError):
         repr(dead_proxy.training)  # it was dead throughout
     assert result.input_names == ["sample", "timestep", "encoder_hidden_states"]  # exactly the standard ones
+    graph = onnx.load(str(result.path), load_external_data=False).graph
+    assert {n.domain for n in graph.node} == {""} and result.fused_attention == 0
+    assert sum(n.op_type == "Softmax" for n in graph.node) == 8  # every attention, as plain ONNX
     ref = tomesd_reference(unet, ratio=0.5, use_rand=False)
     session = ToMeSession(result.path)
     # one file, each batch and image size (#34: square or not, grids the stride does not divide,
@@ -128,7 +126,7 @@ def test_no_rand_export_equals_tomesd_at_any_batch(tmp_path, unet):
     meta = session.meta
     assert meta.any_size and meta.latent_multiple == 2 and (meta.height, meta.width) == (HW, HW)
     dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
-            for i in onnx.load(str(result.path), load_external_data=False).graph.input}
+            for i in graph.input}
     free = (dims["sample"][0], *dims["sample"][2:], *dims["encoder_hidden_states"][:2])
     assert all(isinstance(d, str) for d in free)
     assert dims["sample"][1] == 4 and dims["timestep"] == [1]
@@ -241,8 +239,10 @@ def test_importance_export_matches_compiled_path(tmp_path, unet):
 
 def test_importance_default_export_runs_with_standard_inputs(tmp_path, unet):
     config = ToMeConfig(ratio=0.5, method="importance", seed=0)
+    # a fixed-size file (its defaults are what is tested; the size axes: the test below), which
+    # converts in half the time
     result = export_onnx(copy.deepcopy(unet), tmp_path / "imp.onnx", config, height=HW, width=HW, seq_len=7,
-                         atol=1e-4)
+                         atol=1e-4, static=True)
     assert result.input_names[3:] == ["tome_importance", "tome_has_map", "tome_seed"]
     assert sorted(result.optional_inputs) == ["tome_has_map", "tome_importance", "tome_seed"]
     session = ort_session(result.path)
@@ -268,47 +268,52 @@ def test_importance_default_export_runs_with_standard_inputs(tmp_path, unet):
     assert tome_session.importance.calls == 2 and tome_session.importance.map is not None
 
 
-def test_importance_export_takes_every_size_call_by_call(tmp_path, unet):
+def test_importance_export_takes_every_size_and_batch_of_pairs_call_by_call(tmp_path, unet):
     """#34: importance merging's file takes every image size (its map [pairs, H, W] follows the
-    latent; both plans of each block are computed from the call's shapes inside the If): through
-    ToMeSession at two sizes, one non-square, call by call equal to the backend, map included;
-    a size the U-Net cannot take is refused in one line."""
+    latent; both plans of each block are computed from the call's shapes inside the If) and every
+    batch of CFG pairs (the map's rows are the call's pairs): through ToMeSession at two sizes,
+    one non-square, and batches 2 and 4, call by call equal to the backend, map included; a
+    client feeding the standard inputs only runs at each batch; an odd batch and a size the U-Net
+    cannot take are refused in one line."""
     config = ToMeConfig(ratio=0.5, method="importance", use_rand=False)
     result = export_onnx(copy.deepcopy(unet), tmp_path / "imp.onnx", config, height=HW, width=HW, seq_len=7,
                          atol=1e-4)
+    assert [c for c in result.report.inputs if c.draw == "importance"][0].shape[0] == 2  # traced: 2 pairs
     model = onnx.load(str(result.path), load_external_data=False)
     dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
             for i in model.graph.input}
-    assert dims["sample"] == [2, 4, "height", "width"]
-    assert dims["tome_importance"] == [1, "importance_height", "importance_width"]
-    assert dims["encoder_hidden_states"] == [2, "sequence_length", 32]
+    assert dims["sample"] == ["batch_size", 4, "height", "width"]
+    assert dims["tome_importance"] == ["cfg_pairs", "importance_height", "importance_width"]
+    assert dims["encoder_hidden_states"] == ["batch_size", "sequence_length", 32]
     assert sum(n.op_type == "If" for n in model.graph.node) == 3  # one per rewritten site
     session = ToMeSession(result.path, seed=0)
-    assert session.meta.any_size
-    for hw in ((16, 16), (24, 16)):
+    assert session.meta.any_size and session.meta.batch == "cfg_pairs"
+    for batch, hw in ((2, (16, 16)), (4, (24, 16))):
+        session.reset()  # a new generation (its own map)
         backend = tome_backend(config, compiler="eager")
         compiled = torch.compile(copy.deepcopy(unet), backend=backend, fullgraph=True)
-        inputs = tiny_inputs(unet, hw=hw)
-        plain = call(unet, inputs)
+        inputs = tiny_inputs(unet, batch=batch, hw=hw)
         for t in (999, 900, 800):  # step 1: ToMe fallback; then the previous step's map at this size
             inputs.timestep = torch.tensor(t)
             got = session(inputs.sample, inputs.timestep, inputs.encoder_hidden_states).sample
-            assert got.shape == plain.shape and (got - call(compiled, inputs)).abs().max() < 1e-4
-            assert session.importance.map.shape == (1, *hw)
+            assert got.shape == inputs.sample.shape and (got - call(compiled, inputs)).abs().max() < 1e-4
+            assert session.importance.map.shape == (batch // 2, *hw)
             assert torch.allclose(session.importance.map, backend.importance.map, atol=1e-5)
             backend.importance.map = session.importance.map.clone()  # one map for the next plans (near-ties)
         assert (got - call(unet, inputs)).abs().max() > 1e-3  # merged at this size too
-    # a client that feeds no map (diffusers' ONNX pipeline) at the other size: the ToMe branch,
-    # sized by the call (not by the traced-size default map), as ToMeSession's first step
-    first = ToMeSession(result.path, seed=0)(inputs.sample, 999, inputs.encoder_hidden_states).sample
-    feed = {"sample": inputs.sample.numpy(), "timestep": np.array([999.0], np.float32),
-            "encoder_hidden_states": inputs.encoder_hidden_states.numpy()}
-    assert np.abs(ort_session(result.path).run(None, feed)[0] - first.numpy()).max() < 1e-5
+        # a client that feeds no map (diffusers' ONNX pipeline) at this batch and size: the ToMe
+        # branch, sized by the call (not by the traced default map), as ToMeSession's first step
+        first = ToMeSession(result.path, seed=0)(inputs.sample, 999, inputs.encoder_hidden_states).sample
+        feed = {"sample": inputs.sample.numpy(), "timestep": np.array([999.0], np.float32),
+                "encoder_hidden_states": inputs.encoder_hidden_states.numpy()}
+        assert np.abs(ort_session(result.path).run(None, feed)[0] - first.numpy()).max() < 1e-5
+    inputs = tiny_inputs(unet, batch=3)
+    with pytest.raises(ToMeExportError, match=r"^sample has batch 3; this importance export takes "
+                                              r"classifier-free-guidance pairs \(an even batch"):
+        session(inputs.sample, 999, inputs.encoder_hidden_states)
     inputs = tiny_inputs(unet, hw=(17, 16))
     with pytest.raises(ToMeExportError, match="multiples of 2"):
         session(inputs.sample, 999, inputs.encoder_hidden_states)
-    with pytest.raises(ToMeExportError, match="batch of importance exports is fixed"):
-        session(inputs.sample[:1, :, :16], 999, inputs.encoder_hidden_states[:1])
 
 
 def test_lcm_timestep_cond_is_an_input_of_its_family(tmp_path):

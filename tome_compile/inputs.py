@@ -104,6 +104,14 @@ class ToMeInputSpec:
             return replace(self, shape=(self.shape[0], height, width))
         return self
 
+    def with_rows(self, rows: int) -> ToMeInputSpec:
+        """This input for a call with ``rows`` along its batch axis (an importance export in CFG
+        pairs: the map's rows are the call's pairs); unchanged where it has no batch axis."""
+        axis = self.batch_axis
+        if axis is None or self.shape[axis] == rows:
+            return self
+        return replace(self, shape=(*self.shape[:axis], rows, *self.shape[axis + 1:]))
+
     def zeros(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """A placeholder value of the right shape and dtype (tracing, "nothing drawn")."""
         return torch.zeros(self.shape, dtype=self.dtype, device=device)
