@@ -333,7 +333,7 @@ def _stage_rewrite(run: _Run) -> None:
     o, gm = run.options, run.gm
     assert gm is not None
     result = fallback_plans(gm, merge_self_attention(gm, run.config, oracle=o.oracle, io=run.io,
-                                                     any_size=run.sizes is not None))
+                                                     any_size=run.sizes is not None, cfg_pairs=run.pairs))
     if run.config.reuses_plans:
         result = either_plans(gm, result)
     if not o.partition_input:

@@ -141,6 +141,7 @@ def merge_self_attention(
     method: str | None = None,
     io: UNetIO | None = None,
     any_size: bool = False,
+    cfg_pairs: bool = False,
 ) -> ToMeResult:
     """Rewrite every high-resolution self-attention of ``gm`` in place and report every site.
 
@@ -158,6 +159,10 @@ def merge_self_attention(
             the ``tome_importance`` input ``[B/2, H, W]`` (and ``tome_dst_key`` with ``use_rand``).
         io: :func:`~tome_compile.passes.unet_io.find_unet_io` of ``gm`` as it is now (before any
             rewrite), when the caller has it; found here otherwise. Carried on the result.
+        any_size: the graph's height and width are symbolic (an export for every image size).
+        cfg_pairs: a symbolic batch holds CFG pairs laid out as its traced value (an importance
+            export for any batch of pairs); without it importance cannot pair a symbolic batch's
+            rows and makes ToMe plans, as under ``torch.compile(dynamic=True)``.
     Returns:
         :class:`ToMeResult`; ``inputs`` describes the graph inputs appended to ``gm`` (feed them
         last, in that order). The graph is the canonical form: ``plan_every``'s state (plans
@@ -175,9 +180,9 @@ def merge_self_attention(
     # (1 video x 16 frames is 16 rows and still no pair)
     samples = io.sample_batch
     pairs_of = samples if samples is not None and isinstance(batch, int) and batch % samples == 0 else batch
-    if pairs_of is None and hint is not None and (method or config.method) == "importance" and not oracle:
-        # a symbolic batch (an importance export for any batch of CFG pairs, traced at two pairs):
-        # its rows are laid out as the traced batch's; the map's rows follow the call's pairs
+    if pairs_of is None and cfg_pairs:
+        # a symbolic batch of CFG pairs (tome-export's importance file, traced at two pairs): its
+        # rows are laid out as the traced batch's; the map's rows follow the call's pairs
         pairs_of = hint
     context = pass_context(config, method=method, oracle=oracle, pairs_of=pairs_of, latent=latent, batch=hint)
     kept, specs, failures = ([], [], {})
