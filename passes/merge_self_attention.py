@@ -162,7 +162,7 @@ def merge_self_attention(
         any_size: the graph's height and width are symbolic (an export for every image size).
         cfg_pairs: a symbolic batch holds CFG pairs laid out as its traced value (an importance
             export for any batch of pairs); without it importance cannot pair a symbolic batch's
-            rows and makes ToMe plans, as under ``torch.compile(dynamic=True)``.
+            rows and makes ToMe plans (the report says so).
     Returns:
         :class:`ToMeResult`; ``inputs`` describes the graph inputs appended to ``gm`` (feed them
         last, in that order). The graph is the canonical form: ``plan_every``'s state (plans
