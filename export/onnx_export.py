@@ -51,7 +51,7 @@ from tome_compile.export.tracing import (
     attention_count,
     drop_dead_code,
     drop_noop_squeezes,
-    dynamic_axes,
+    graph_dynamic_shapes,
     promote_mixed_concats,
     size_axes,
     trace_unet,
@@ -103,29 +103,10 @@ class ExportResult:
     fusions: dict[str, int] = field(default_factory=dict)
 
 
-MAX_PAIRS = 1024  # the largest batch of CFG pairs an importance export is traced to take
-
-
 def _dynamic_shapes(run: _Run) -> tuple[Any, ...] | None:
-    """The dynamic axes of each graph input: the batch of the U-Net's per-image inputs and of the
-    ToMe inputs whose spec has one (plan_every's fed-back plans); in an export for every size also
-    the latent's height and width (the sample's, the importance map's) and the text length."""
-    if not run.dynamic and not run.sizes:
-        return None
     assert run.result is not None
-    rows = batch = torch.export.Dim.DYNAMIC if run.dynamic else None
-    if run.pairs:  # the batch is two rows per CFG pair; the importance map one
-        rows = torch.export.Dim(PAIRS_AXIS, min=1, max=MAX_PAIRS)
-        batch = 2 * rows
-    axes = {name: dynamic_axes(name, batch if name in run.family.per_image else None, run.sizes)
-            for name in run.family.names}
-    for spec in run.result.inputs:
-        has_batch = batch is not None and spec.batch_axis is not None
-        axes[spec.name] = {spec.batch_axis: rows} if has_batch else {}
-        if spec.draw == "importance" and run.sizes:  # the map [P, H, W]: the latent's size, in axes of
-            # its own (merge.fit_importance resizes it to the latent's: no size is read off the map)
-            axes[spec.name].update({1: run.sizes["map_height"], 2: run.sizes["map_width"]})
-    return tuple(axes.get(name) or None for name in run.input_names)
+    return graph_dynamic_shapes(run.family, run.result.inputs, run.input_names, dynamic=run.dynamic,
+                                pairs=run.pairs, sizes=run.sizes)
 
 
 @dataclass(frozen=True)

@@ -8,15 +8,16 @@ import functools
 from typing import Any
 
 import torch
+from tome_compile.export.metadata import PAIRS_AXIS
 from tome_compile.passes.sites import node_shape as _sites_node_shape
 from torch import fx
 
 from tome_compile.errors import ToMeExportError
 from tome_compile.families import ModelFamily, nested
 
-__all__ = ["assert_no_scatter_mean", "attention_count", "drop_dead_code", "drop_noop_squeezes",
-           "dynamic_axes",
-           "plain_graph_module", "promote_mixed_concats", "sdpa_nodes", "size_axes", "trace_unet"]
+__all__ = ["MAX_PAIRS", "assert_no_scatter_mean", "attention_count", "drop_dead_code", "drop_noop_squeezes",
+           "dynamic_axes", "graph_dynamic_shapes", "plain_graph_module", "promote_mixed_concats",
+           "sdpa_nodes", "size_axes", "trace_unet"]
 
 
 def plain_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
@@ -190,3 +191,30 @@ def trace_unet(unet: torch.nn.Module, args: tuple[torch.Tensor, ...], family: Mo
     with torch.no_grad():
         ep = torch.export.export(unet, positional, {**values, "return_dict": False}, dynamic_shapes=shapes)
     return plain_graph_module(ep)
+
+
+MAX_PAIRS = 1024  # the largest batch of CFG pairs an importance export is traced to take
+
+
+def graph_dynamic_shapes(family: ModelFamily, specs: Any, input_names: list[str], *, dynamic: bool,
+                         pairs: bool, sizes: dict[str, Any] | None) -> tuple[Any, ...] | None:
+    """The dynamic axes of each input of the rewritten graph: the batch of the U-Net's per-image
+    inputs and of the ToMe inputs whose spec has one (plan_every's fed-back plans; with ``pairs``
+    the batch is two rows per CFG pair and the importance map has one); in an export for every
+    size (``sizes``) also the latent's height and width (the sample's, the importance map's) and
+    the text length."""
+    if not dynamic and not sizes:
+        return None
+    rows = batch = torch.export.Dim.DYNAMIC if dynamic else None
+    if pairs:
+        rows = torch.export.Dim(PAIRS_AXIS, min=1, max=MAX_PAIRS)
+        batch = 2 * rows
+    axes = {name: dynamic_axes(name, batch if name in family.per_image else None, sizes)
+            for name in family.names}
+    for spec in specs:
+        has_batch = batch is not None and spec.batch_axis is not None
+        axes[spec.name] = {spec.batch_axis: rows} if has_batch else {}
+        if spec.draw == "importance" and sizes:  # the map [P, H, W]: the latent's size, in axes of
+            # its own (merge.fit_importance resizes it to the latent's: no size is read off the map)
+            axes[spec.name].update({1: sizes["map_height"], 2: sizes["map_width"]})
+    return tuple(axes.get(name) or None for name in input_names)
