@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +19,8 @@ from torch import fx
 __all__ = [
     "BADDBMM_OPS", "BMM_OPS", "CAT_OPS", "CONV_OPS", "LAYER_NORM_OPS", "LINEAR_OPS", "SDPA_OPS",
     "SOFTMAX_OPS", "TENSOR_CONSTANT_OPS", "TIME_EMBED_OPS", "common_path", "descends", "describe", "entry",
-    "is_call", "is_shape_op", "joint_parts", "module_path", "node_shape", "output_projection",
+    "JointStreams", "is_call", "is_shape_op", "joint_parts", "joint_streams", "module_path", "node_shape",
+    "output_projection",
     "projection_of", "qkv", "readers", "reference_of",
 ]
 
@@ -186,6 +188,77 @@ def joint_parts(node: Any, limit: int = 32) -> tuple[list[Any], bool] | None:
             return None
         node = inputs[0]
     return None
+
+
+@dataclass(frozen=True)
+class JointStreams:
+    """A double-stream joint attention (SD3's ``JointAttnProcessor2_0``, Flux's double blocks):
+    queries, keys and values each the concatenation, along the tokens of ``[B, heads, L, d]``, of
+    one part per stream; each stream's parts projected from one sequence ``[B, N_i, C]``.
+
+    ``cats``: the q, k and v concatenations; ``inputs``: the sequence each stream is projected
+    from, in concatenation order; ``tokens``: each stream's token count (a size, maybe symbolic)."""
+
+    cats: tuple[fx.Node, fx.Node, fx.Node]
+    inputs: tuple[fx.Node, ...]
+    tokens: tuple[Any, ...]
+
+
+def _cat_parts(node: Any) -> tuple[list[fx.Node], int] | None:
+    """The tensors and dim of a concatenation node, or None."""
+    if not (is_call(node, CAT_OPS) or (isinstance(node, fx.Node) and node.op == "call_method"
+                                       and node.target == "cat")):
+        return None
+    parts = node.args[0] if node.args else node.kwargs.get("tensors")
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not isinstance(parts, (list, tuple)) or not all(isinstance(p, fx.Node) for p in parts):
+        return None
+    return list(parts), dim
+
+
+def _linear_above(node: Any, limit: int = 24) -> fx.Node | None:
+    """The linear projection ``node`` is computed from (through norms, rotary products and shape
+    ops: the first input of each node), or None."""
+    for _ in range(limit):
+        if not isinstance(node, fx.Node):
+            return None
+        if is_call(node, LINEAR_OPS):
+            return node
+        inputs = node.all_input_nodes
+        if not inputs:
+            return None
+        node = inputs[0]
+    return None
+
+
+def joint_streams(q: Any, k: Any, v: Any) -> JointStreams | None:
+    """The streams of a double-stream joint attention whose attention op reads ``q``, ``k``, ``v``,
+    or None (a single-stream block, whose one sequence is concatenated before its projections, is
+    not: its queries are not a concatenation)."""
+    found = [_cat_parts(t) for t in (q, k, v)]
+    if any(f is None for f in found):
+        return None
+    shapes = [node_shape(t) for t in (q, k, v)]
+    if any(s is None or len(s) != 4 for s in shapes):
+        return None
+    parts = [f[0] for f in found]  # type: ignore[index]
+    if any(f[1] not in (2, -2) for f in found) or len({len(p) for p in parts}) != 1:  # type: ignore[index]
+        return None
+    inputs, tokens = [], []
+    for stream in zip(*parts, strict=True):  # this stream's q, k and v parts
+        linears = [_linear_above(t) for t in stream]
+        if any(lin is None for lin in linears):
+            return None
+        sources = {lin.args[0] for lin in linears}  # type: ignore[union-attr]
+        counts = {node_shape(t)[2] if node_shape(t) is not None else None for t in stream}  # type: ignore[index]
+        source = sources.pop()
+        if sources or len(counts) != 1 or None in counts or len(node_shape(source) or ()) != 3:
+            return None
+        inputs.append(source)
+        tokens.append(counts.pop())
+    if len(inputs) < 2 or len(set(inputs)) != len(inputs):
+        return None
+    return JointStreams(cats=(q, k, v), inputs=tuple(inputs), tokens=tuple(tokens))
 
 
 def _descends_to_linear(node: fx.Node, limit: int = 24) -> bool:

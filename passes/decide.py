@@ -40,6 +40,9 @@ class Target:
     path: str  # module path of the region (…transformer_blocks.0.attn2)
     name: str  # "attn1", "attn2", "ff"
     bakes_tokens: bool = False  # classic AttnProcessor: reshapes hold the token count literally
+    # joint attention: the image stream's parts of q, k and v are merged at their concatenation
+    # and the image part of the attention's output unmerged (``output`` is the attention op)
+    joint: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ def _short(path: str, block: str) -> str:
 def _block_size(site: _sites.AttentionSite, config: ToMeConfig,
                 latent: tuple[int, int] | None, rows: int | None = None) -> tuple[int, int, int, int] | Skip:
     """``(N, h, w, downsample)`` of a self-attention's block, or why it is not merged."""
-    if site.kind != "self-attention" or site.problem is not None:
+    if site.kind not in ("self-attention", "joint-attention") or site.problem is not None:
         return Skip(site.problem or "not a self-attention (q, k, v are not projections of one tensor)")
     temporal = _sites.temporal_reason(site, rows)
     if temporal is not None:  # before the grid check: 16 frames of a 64x64 latent look like a 4x4 grid
@@ -105,7 +108,7 @@ def _targets(site: _sites.AttentionSite, found: list[_sites.AttentionSite], grap
         assert site.output is not None
         name = _short(site.path, block)
         out.append(Target(input=site.input, output=site.output, region=tuple(site.nodes), path=site.path,
-                          name=name, bakes_tokens=name in classic))
+                          name=name, bakes_tokens=name in classic, joint=site.joint is not None))
     if config.merge_crossattn:
         for c in (s for s in same if s.kind == "cross-attention"):
             if c.problem is not None or c.output is None:
@@ -146,6 +149,9 @@ def decide_site(
         return size
     n, h, w, downsample = size
     if config.method == "todo":
+        if site.joint is not None:
+            return Skip("ToDo on joint attention is not built (ToMe and importance merge it)", (h, w),
+                        downsample)
         return _todo_plan(site, config, n, h, w, downsample, source)
     r = _merge_count(n, h, w, config)
     if r <= 0:
@@ -204,6 +210,8 @@ def decide_all(gm: fx.GraphModule, found: list[_sites.AttentionSite], passes: li
                             cause="stored-reference"))
             continue
         grid = unet_pass.grid or latent_hw or unet_pass.latent
+        if site.joint is not None:
+            _sites.pick_image_stream(site, unet_pass.grid or latent_hw)
         source = unet_pass.conv if unet_pass.grid is not None else None
         out.append(decide_site(site, found, gm.graph, config, grid, unet_pass.rows, source))
     return out
@@ -219,7 +227,8 @@ def select_blocks(decisions: list[BlockPlan | Skip], found: list[_sites.Attentio
     k = 0
     for site, decision in zip(found, decisions, strict=True):
         rows = passes[min(site.unet_pass, len(passes) - 1)].rows
-        spatial = site.kind == "self-attention" and _sites.temporal_reason(site, rows) is None
+        spatial = ((site.kind == "self-attention" or site.image is not None)  # a joint attention's image
+                   and _sites.temporal_reason(site, rows) is None)
         if spatial and isinstance(decision, BlockPlan) and k not in config.blocks:
             shown = format_blocks(config.blocks)
             decision = Skip(f"block {k} is not in blocks={shown}", decision.grid, decision.downsample,

@@ -9,7 +9,7 @@ import logging
 from tome_compile.passes.context import PassContext, plan_makers
 from tome_compile.passes.decide import BlockPlan, Skip
 from tome_compile.passes.result import ToMeResult, ToMeSite
-from tome_compile.passes.sites import AttentionSite
+from tome_compile.passes.sites import AttentionSite, size_hint
 
 from tome_compile.config import ToMeConfig, format_blocks
 
@@ -35,7 +35,8 @@ def site_report(found: list[AttentionSite], decisions: list[BlockPlan | Skip], k
             maker = sharing.get(site.path)
             todo = context.method == "todo"  # nothing merged, nothing planned: K/V shortened (kv_tokens)
             reason = (
-                f"downsample {plan.downsample} <= max_downsample={config.max_downsample}"
+                _joint_line(site, plan.tokens - plan.merged)
+                + f"downsample {plan.downsample} <= max_downsample={config.max_downsample}"
                 + ("" if todo else f", r={plan.merged}") + note
                 + (f"; plan shared from {maker}" if maker else "")
                 + (f"; {site.reference_tokens} reference tokens kept" if site.reference is not None else "")
@@ -63,6 +64,14 @@ def site_report(found: list[AttentionSite], decisions: list[BlockPlan | Skip], k
     for row in rows:
         logger.debug("ToMe site %s", row.line())
     return rows
+
+
+def _joint_line(site: AttentionSite, kept: int) -> str:
+    """A joint attention's streams, as merged: "joint attention, image 4096 → 2048, text 333 kept; "."""
+    if site.joint is None or site.image is None:
+        return ""
+    text = [str(size_hint(n)) for i, n in enumerate(site.joint.tokens) if i != site.image]
+    return f"joint attention, image {site.tokens} → {kept}, text {' + '.join(text)} kept; "
 
 
 def nothing_rewritten(result: ToMeResult, config: ToMeConfig) -> str | None:

@@ -171,6 +171,35 @@ def _merge_target(graph: fx.Graph, plan: BlockPlan, target: Target, after: fx.No
             user.replace_input_with(target.output, un)
 
 
+def _merge_joint(graph: fx.Graph, plan: BlockPlan, slot: fx.Node | None, weight: fx.Node | None) -> None:
+    """Joint attention: the image stream's parts of q, k and v merged at their concatenation (after
+    the projections, the qk-norm and any rotary embedding), the text's whole; after the attention
+    op, the image part of its output unmerged (the text part untouched), so that everything after
+    the op (the split into streams by token count, ``to_out``, ``to_add_out``) sees every token."""
+    site, r = plan.site, plan.merged
+    streams, image = site.joint, site.image
+    assert streams is not None and image is not None
+    for cat in streams.cats:
+        parts = list(cat.args[0])
+        with graph.inserting_before(cat):
+            if slot is not None:
+                merged = graph.call_function(_merge.merge_heads, (parts[image], slot, weight))
+            else:
+                merged = graph.call_function(_merge.oracle_merge_heads, (parts[image], r))
+        parts[image] = _tag(merged, site.path, "merge")
+        cat.args = (parts, *cat.args[1:])
+    first = image == 0
+    with graph.inserting_after(site.anchor):
+        if slot is not None:
+            un = graph.call_function(_merge.unmerge_joint, (site.anchor, slot, weight, first))
+        else:
+            un = graph.call_function(_merge.oracle_unmerge_joint, (site.anchor, r, plan.tokens - r, first))
+    _tag(un, site.path, "unmerge")
+    for user in list(site.anchor.users):
+        if user is not un:
+            user.replace_input_with(site.anchor, un)
+
+
 def _downsample_kv(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: BlockInputs) -> None:
     """ToDo: ``to_k(x), to_v(x) -> to_k(down(x)), to_v(down(x))``; the queries and the output keep
     every token (one ``downsample_tokens`` node, right after the attention input)."""
@@ -208,6 +237,9 @@ def rewrite_block(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: Bloc
         slot.meta["tome"]["made"], weight.meta["tome"]["made"] = "slot", "weight"
         last = weight
     for target in plan.targets:
+        if target.joint:
+            _merge_joint(graph, plan, slot, weight)
+            continue
         _merge_target(graph, plan, target, last if target.input is plan.site.input else target.input,
                       slot, weight)
     return (slot, weight) if slot is not None and weight is not None else None

@@ -30,12 +30,14 @@ import torch
 from tome_compile.passes.dataflow import (
     CONV_OPS,
     LAYER_NORM_OPS,
+    JointStreams,
     common_path,
     descends,
     describe,
     entry,
     is_call,
     joint_parts,
+    joint_streams,
     module_path,
     node_shape,
     output_projection,
@@ -48,6 +50,7 @@ from torch import fx
 
 __all__ = [
     "AttentionSite",
+    "pick_image_stream",
     "block_grid",
     "kv_projections",
     "find_attention_sites",
@@ -109,7 +112,7 @@ class AttentionSite:
     """
 
     path: str
-    kind: str  # "self-attention" | "cross-attention" | "joint-attention" (skipped) | "unknown" (skipped)
+    kind: str  # "self-attention" | "cross-attention" | "joint-attention" | "unknown" (skipped)
     form: str  # "sdpa" | "classic"
     anchor: fx.Node
     input: fx.Node
@@ -125,6 +128,11 @@ class AttentionSite:
     # every attention op of the module (a processor that runs the batch rows apart has two)
     # (``anchor`` is the last)
     anchors: tuple[fx.Node, ...] = ()
+    # joint attention (SD3, Flux's double blocks): its streams; ``image`` the image stream's index
+    # among them, once the pass's patch grid has told it apart (:func:`pick_image_stream`): then
+    # ``input`` and ``tokens`` are the image stream's, ``output`` the attention op
+    joint: JointStreams | None = None
+    image: int | None = None
 
     @property
     def block_path(self) -> str:
@@ -174,6 +182,15 @@ def find_attention_sites(gm: fx.GraphModule, spans: Sequence[tuple[int, int]] | 
             continue
         q, k, v, form = ops
         pq, pk, pv = (projection_of(t) for t in (q, k, v))
+        streams = joint_streams(q, k, v) if pq is None or pk is None or pv is None else None
+        if streams is not None:
+            path = module_path(node)
+            which = next((i for i, (start, stop) in enumerate(spans) if start <= position < stop), 0)
+            sites.append(AttentionSite(path=path, kind="joint-attention", form=form, anchor=node,
+                                       input=node, output=node, anchors=(node,), joint=streams,
+                                       unet_pass=which, span=spans[which] if len(spans) > 1 else None,
+                                       problem="its image tokens are not told apart yet"))
+            continue
         if pq is None or pk is None or pv is None:
             joint = joint_parts(q)
             if joint is None:
@@ -223,6 +240,28 @@ def find_attention_sites(gm: fx.GraphModule, spans: Sequence[tuple[int, int]] | 
         if site.kind not in ("unknown", "joint-attention"):
             _bound(site, shape_ok=any_size)
     return sites
+
+
+def pick_image_stream(site: AttentionSite, grid: tuple[int, int] | None) -> None:
+    """Tell a joint attention's image stream apart: the one stream whose tokens are the pass's
+    patch grid (``h * w``); the site then reads it (``input``, ``tokens``), or says why not."""
+    streams = site.joint
+    if streams is None:
+        return
+    counts = [size_hint(n) for n in streams.tokens]
+    shown = " + ".join("?" if n is None else str(n) for n in counts)
+    if grid is None:
+        site.problem = (f"joint attention ({shown} tokens): no patch grid to tell its image tokens from its "
+                        "text tokens (no patch-embedding convolution; Flux packs its latent: not merged yet)")
+        return
+    image = [i for i, n in enumerate(counts) if n == grid[0] * grid[1]]
+    if len(image) != 1:
+        site.problem = (f"joint attention ({shown} tokens): {len(image)} of its streams have the "
+                        f"{grid[0]}x{grid[1]} patch grid's {grid[0] * grid[1]} tokens; which is the image's "
+                        "is not known")
+        return
+    i = image[0]
+    site.image, site.input, site.tokens, site.problem = i, streams.inputs[i], counts[i], None
 
 
 def _joint_problem(parts: list[Any], single_stream: bool) -> str:

@@ -90,7 +90,10 @@ def _remap(plan: BlockPlan, graph: fx.Graph) -> BlockPlan:
                                output=node(plan.site.output) if plan.site.output is not None else None,
                                nodes=[node(n) for n in plan.site.nodes],
                                anchors=tuple(node(n) for n in plan.site.anchors),
-                               reference=None if plan.site.reference is None else node(plan.site.reference))
+                               reference=None if plan.site.reference is None else node(plan.site.reference),
+                               joint=None if plan.site.joint is None else dataclasses.replace(
+                                   plan.site.joint, cats=tuple(node(n) for n in plan.site.joint.cats),
+                                   inputs=tuple(node(n) for n in plan.site.joint.inputs)))
     targets = tuple(dataclasses.replace(t, input=node(t.input), output=node(t.output),
                                         region=tuple(node(n) for n in t.region)) for t in plan.targets)
     return dataclasses.replace(plan, site=site, metric=node(plan.metric), targets=targets,

@@ -41,7 +41,7 @@ def test_load_unet_and_pipeline_folders(tmp_path):
 
 @pytest.mark.parametrize("spec, words", [
     ("/nonexistent/model", "not found"),
-    ("sd3", "not found"),
+    ("flux", "not found"),
 ])
 def test_load_unet_errors(spec, words):
     with pytest.raises(ToMeModelError, match=words):
@@ -56,13 +56,14 @@ def test_folder_without_config(tmp_path):
 
 def test_unknown_architecture_name():
     with pytest.raises(ToMeModelError, match="built-in ones are"):
-        architecture_config("sd3")
+        architecture_config("flux")
 
 
 def test_each_family_describes_its_inputs_once():
     """#33: one record per model family (tome_compile.families), read by the example inputs, the
     export's tracing / dynamic axes / metadata / batch-1 check and ToMeSession's refusals."""
     from conftest import tiny_pixart, tiny_video_unet
+    from test_joint import tiny_sd3
     from zero123_reference import tiny_zero123
 
     from tome_compile.families import family_of, needs
@@ -70,7 +71,7 @@ def test_each_family_describes_its_inputs_once():
 
     models = {"unet": tiny_unet("sd15"), "sdxl": tiny_unet("sdxl"), "pixart": tiny_pixart(),
               "animatediff": tiny_video_unet("animatediff"), "svd": tiny_video_unet("svd"),
-              "multiview": MultiViewExport(tiny_zero123())}
+              "multiview": MultiViewExport(tiny_zero123()), "sd3": tiny_sd3()[0]}
     for name, model in models.items():
         family = family_of(model)
         assert family.name == name
@@ -83,5 +84,9 @@ def test_each_family_describes_its_inputs_once():
                                                         "noise")
     assert not family_of(models["svd"]).dynamic_batch
     assert family_of(models["pixart"]).timestep == "float32[batch]"
+    # SD3: the pooled text embedding, 333 text tokens (77 CLIP + 256 T5) by default, 1/8 of the image
+    sd3 = example_inputs(models["sd3"], batch=1, height=128, width=128)
+    assert family_of(models["sd3"]).names[3:] == ["pooled_projections"]
+    assert sd3.encoder_hidden_states.shape == (1, 333, 32) and sd3.sample.shape == (1, 4, 16, 16)
     assert needs("time_ids") == "added_cond_kwargs['time_ids'] (SDXL's size and crop conditioning)"
     assert needs("not_an_input") == "not_an_input"  # negative: an unknown name is said as it is

@@ -73,6 +73,8 @@ class ModelFamily:
     # its export can take any image size and text length (symbolic height, width and text axis, as
     # Optimum's U-Net export): the image U-Nets; video, DiT and multi-view exports keep their size
     any_size: bool = False
+    # the text tokens its pipeline sends (CLIP's 77; SD3: 77 CLIP + 256 T5): example inputs' default
+    text_tokens: int = 77
 
     @property
     def names(self) -> list[str]:
@@ -124,6 +126,9 @@ PIXART_SIZED = PIXART.with_inputs(  # PixArt-α 1024: resolution and aspect-rati
     ModelInput("aspect_ratio", True, "added_cond_kwargs['aspect_ratio'] (PixArt-α 1024)",
                call="added_cond_kwargs.aspect_ratio"),
 )
+SD3 = ModelFamily("sd3", (_LATENT, _TIMESTEP, _TEXT, ModelInput(
+    "pooled_projections", True, "pooled_projections [B, D] (SD3's pooled text embedding)")),
+    dit=True, dynamic_batch=False, text_tokens=333)  # joint attention; its export: not built yet
 MULTIVIEW = UNET.with_inputs(  # Zero123++'s two-pass wrapper around its U-Net
     "multiview",
     ModelInput("cond_lat", True, "cross_attention_kwargs={'cond_lat': ...} (multi-view: the condition "
@@ -131,7 +136,7 @@ MULTIVIEW = UNET.with_inputs(  # Zero123++'s two-pass wrapper around its U-Net
     ModelInput("noise", True, "the condition latent's noise (drawn as the wrapper draws it)", drawn=True),
     multiview=True, any_size=False,  # any size: not built yet (the condition latent's size too)
 )
-FAMILIES = (UNET, SDXL, LCM, ANIMATEDIFF, SVD, PIXART, PIXART_SIZED, MULTIVIEW)
+FAMILIES = (UNET, SDXL, LCM, ANIMATEDIFF, SVD, PIXART, PIXART_SIZED, SD3, MULTIVIEW)
 
 
 def family_of(model: Any) -> ModelFamily:
@@ -141,6 +146,8 @@ def family_of(model: Any) -> ModelFamily:
     kind = type(model).__name__
     if kind == "PixArtTransformer2DModel":
         return PIXART_SIZED if getattr(model, "use_additional_conditions", False) else PIXART
+    if kind == "SD3Transformer2DModel":
+        return SD3
     if kind == "UNetMotionModel":
         return ANIMATEDIFF
     if kind == "UNetSpatioTemporalConditionModel":

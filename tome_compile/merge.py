@@ -37,8 +37,12 @@ __all__ = [
     "importance_plan",
     "importance_pool_size",
     "match_rows",
+    "merge_heads",
     "merge_tokens",
     "merge_tokens_by_heads",
+    "oracle_merge_heads",
+    "oracle_unmerge_joint",
+    "unmerge_joint",
     "oracle_merge",
     "oracle_unmerge",
     "partition_cells",
@@ -415,6 +419,48 @@ def merge_tokens_by_heads(x: torch.Tensor, slot: torch.Tensor, weight: torch.Ten
 def unmerge_tokens(y: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """``[B, N - r, C] -> [B, N, C]``: every token takes its slot's value."""
     return gather_rows(y, slot)
+
+
+def merge_heads(x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`merge_tokens` of a stream's queries, keys or values in heads, ``[B, H, N, d] ->
+    [B, H, N - r, d]`` (joint attention merges after its projections, norms and rotary embedding):
+    every head the mean of the tokens of each slot."""
+    b, h, n, d = x.shape
+    w = weight.to(x.dtype).unsqueeze(1)  # the plan's [B, N - r, 1] -> [B, 1, N - r, 1]
+    out = (w * 0).expand(b, h, weight.shape[1], d)
+    out = out.scatter_add(2, slot[:, None, :, None].expand(b, h, n, d), x)
+    return out * w
+
+
+def unmerge_joint(y: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, image_first: bool
+                  ) -> torch.Tensor:
+    """A joint attention's output ``[B, H, T + N - r, d]`` (its two streams' tokens, the image's
+    merged) back to ``[B, H, T + N, d]``: every image token takes its slot's value, the text tokens
+    stay as they are, the streams in their order (``image_first``: SD3's image then text; else
+    Flux's text then image)."""
+    b, h, total, d = y.shape
+    kept = weight.shape[1]
+    start = 0 if image_first else total - kept
+    image = y.narrow(2, start, kept)
+    image = image.gather(2, slot[:, None, :, None].expand(b, h, slot.shape[1], d))
+    text = y.narrow(2, kept, total - kept) if image_first else y.narrow(2, 0, total - kept)
+    return torch.cat([image, text] if image_first else [text, image], dim=2)
+
+
+def oracle_merge_heads(x: torch.Tensor, r: int) -> torch.Tensor:
+    """:func:`oracle_merge` in heads: the first ``N - r`` tokens of ``[B, H, N, d]``."""
+    return x[:, :, : x.shape[2] - r]
+
+
+def oracle_unmerge_joint(y: torch.Tensor, r: int, kept: int, image_first: bool) -> torch.Tensor:
+    """:func:`oracle_unmerge` of a joint attention's image part (its ``kept`` tokens repeated back to
+    ``kept + r``), the text part as it is."""
+    total = y.shape[2]
+    start = 0 if image_first else total - kept
+    image = y.narrow(2, start, kept)
+    image = torch.cat([image, image[:, :, :r]], dim=2)
+    text = y.narrow(2, kept, total - kept) if image_first else y.narrow(2, 0, total - kept)
+    return torch.cat([image, text] if image_first else [text, image], dim=2)
 
 
 def oracle_merge(x: torch.Tensor, r: int) -> torch.Tensor:

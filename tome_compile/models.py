@@ -36,11 +36,12 @@ __all__ = [
 
 logger = logging.getLogger("tome_compile")
 
-ARCHITECTURES = ("sd15", "sd21", "sdxl", "animatediff", "svd", "pixart")
+ARCHITECTURES = ("sd15", "sd21", "sdxl", "animatediff", "svd", "pixart", "sd3")
 SHAPES = "shapes"  # load_unet: the U-Net of the shipped shapes model (for tome-export, tome-serve --onnx)
-# The denoisers the pass knows, by diffusers class name: image U-Nets, video U-Nets, a DiT.
+# The denoisers the pass knows, by diffusers class name: image U-Nets, video U-Nets, DiTs (SD3's
+# joint attention).
 MODEL_CLASSES = ("UNet2DConditionModel", "UNetMotionModel", "UNetSpatioTemporalConditionModel",
-                 "PixArtTransformer2DModel")
+                 "PixArtTransformer2DModel", "SD3Transformer2DModel")
 
 
 def _shipped(name: str) -> dict[str, Any]:
@@ -167,6 +168,7 @@ class UNetInputs:
     resolution: torch.Tensor | None = None
     aspect_ratio: torch.Tensor | None = None
     timestep_cond: torch.Tensor | None = None  # LCM: the guidance-scale embedding
+    pooled_projections: torch.Tensor | None = None  # SD3: the pooled text embedding
     cond_lat: torch.Tensor | None = None  # multi-view (Zero123++): the condition view's latent
     noise: torch.Tensor | None = None  # and the noise the wrapper adds to it
 
@@ -201,19 +203,21 @@ def unet_input_names(unet: torch.nn.Module) -> list[str]:
 
 
 def _spatial_scale(unet: torch.nn.Module) -> int:
-    # Latent models (4 latent channels in or out: inpainting and SVD take 9 / 8, PixArt returns 8)
-    # work at 1/8 of the image; pixel-space models at 1/1.
+    # Latent models (4 latent channels in or out: inpainting and SVD take 9 / 8, PixArt returns 8;
+    # SD3's VAE has 16) work at 1/8 of the image; pixel-space models at 1/1.
     cfg = unet.config
-    return 8 if 4 in (cfg.in_channels, getattr(cfg, "out_channels", None)) else 1
+    return 8 if {4, 16} & {cfg.in_channels, getattr(cfg, "out_channels", None)} else 1
 
 
 def example_inputs(unet: torch.nn.Module, *, batch: int = 2, height: int = 512, width: int = 512,
-                   seq_len: int = 77, seed: int = 0, device: str | torch.device = "cpu",
+                   seq_len: int | None = None, seed: int = 0, device: str | torch.device = "cpu",
                    dtype: torch.dtype | None = None, frames: int | None = None) -> UNetInputs:
     """Random inputs of the right shapes for ``unet`` at an image size of ``height × width``
     (video U-Nets: ``frames`` per video, as their pipelines call them; the multi-view wrapper: the
     3 x 2 tiled views, the condition view's latent and its noise), one value per input of its
-    family (:mod:`tome_compile.families`)."""
+    family (:mod:`tome_compile.families`); ``seq_len`` defaults to the text tokens its pipeline
+    sends (77; SD3: 333)."""
+    seq_len = family_of(unet).text_tokens if seq_len is None else seq_len
     inputs = _example_values(unet, batch=batch, height=height, width=width, seq_len=seq_len, seed=seed,
                              device=device, dtype=dtype, frames=frames)
     inputs.family = family_of(unet)
@@ -254,6 +258,14 @@ def _example_values(unet: torch.nn.Module, *, batch: int, height: int, width: in
         return _video_inputs(unet, layout, batch, frames or DEFAULT_FRAMES[layout], height // scale,
                              width // scale, seq_len, g, device, dtype)
     sample = torch.randn(batch, cfg.in_channels, height // scale, width // scale, generator=g)
+    if family_of(unet).name == "sd3":  # as StableDiffusion3Pipeline calls it: one timestep per image
+        return UNetInputs(
+            sample.to(device, dtype),
+            torch.full((batch,), 999.0, device=device),
+            torch.randn(batch, seq_len, cfg.joint_attention_dim, generator=g).to(device, dtype),
+            dit=True,
+            pooled_projections=torch.randn(batch, cfg.pooled_projection_dim, generator=g).to(device, dtype),
+        )
     if is_dit(unet):  # as PixArtAlphaPipeline calls it: one timestep per image, T5 embeddings + mask
         ehs = torch.randn(batch, seq_len, cfg.caption_channels, generator=g)
         extra = getattr(unet, "use_additional_conditions", False)

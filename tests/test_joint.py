@@ -1,0 +1,202 @@
+"""Joint attention (#38): SD3's ``JointTransformerBlock`` concatenates its text and image tokens
+into one attention; the pass merges the image tokens only (the text kept whole), at the
+concatenation of q, k and v, and unmerges the image part of the attention's output. Flux (no
+patch-embedding convolution: its latent comes packed) is reported, not merged."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+from conftest import call, compiled, tiny_inputs, tiny_unet
+from joint_reference import joint_tome
+
+import tome_compile
+from tome_compile import ToMeWarning, tome_backend
+
+
+def tiny_sd3():
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, num_layers=2,
+                                  attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
+                                  caption_projection_dim=16, pooled_projection_dim=16, out_channels=4,
+                                  pos_embed_max_size=32)
+    inputs = dict(hidden_states=torch.randn(2, 4, 16, 16), encoder_hidden_states=torch.randn(2, 5, 32),
+                  pooled_projections=torch.randn(2, 16), timestep=torch.tensor([999.0, 999.0]))
+    return model.eval(), inputs
+
+
+def tiny_flux():
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                   pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
+    grid = torch.arange(64)
+    image_ids = torch.stack([torch.zeros(64), grid // 8, grid % 8], dim=1).float()
+    inputs = dict(hidden_states=torch.randn(1, 64, 16), encoder_hidden_states=torch.randn(1, 5, 32),
+                  pooled_projections=torch.randn(1, 16), timestep=torch.tensor([1.0]), img_ids=image_ids,
+                  txt_ids=torch.zeros(5, 3))
+    return model.eval(), inputs
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs, return_dict=False)[0]
+
+
+def compile_sd3(model, ratio=0.5, **options):
+    backend = tome_backend(ratio, compiler="eager", **options)
+    return torch.compile(copy.deepcopy(model), backend=backend, fullgraph=True), backend
+
+
+def test_sd3_merges_the_image_tokens_only_and_equals_the_reference():
+    model, inputs = tiny_sd3()
+    merged, backend = compile_sd3(model, use_rand=False)
+    out = run(merged, inputs)
+    assert (out - run(joint_tome(model, 0.5), inputs)).abs().max() < 1e-5
+    assert (out - run(model, inputs)).abs().max() > 1e-3  # it does merge
+    (report,) = backend.reports
+    assert [(s.path, s.kind, s.tokens, s.tokens_after, s.grid) for s in report.rewritten] == [
+        (f"transformer_blocks.{k}.attn", "joint-attention", 64, 32, (8, 8)) for k in range(2)]
+    assert all(s.reason.startswith("joint attention, image 64 → 32, text 5 kept; downsample 1")
+               for s in report.rewritten)
+    # q, k and v's image parts merged at each block's concatenation, its output unmerged once
+    assert report.count_nodes("merge") == 6 and report.count_nodes("unmerge") == 2
+    merges = [n for n in report.graph_module.graph.nodes if n.meta.get("tome", {}).get("role") == "merge"]
+    assert all(user.target in (torch.cat, torch.concat) for n in merges for user in n.users)
+
+
+def test_sd3_ratio_zero_is_the_plain_model_and_blocks_select():
+    model, inputs = tiny_sd3()
+    plain, backend = compile_sd3(model, ratio=0.0)
+    assert torch.equal(run(plain, inputs), run(model, inputs))
+    assert not backend.reports or not any(r.modified for r in backend.reports)
+    one, backend = compile_sd3(model, use_rand=False, blocks=(1,))
+    out = run(one, inputs)
+    (report,) = backend.reports
+    assert [s.path for s in report.rewritten] == ["transformer_blocks.1.attn"]
+    (skipped,) = [s for s in report.sites if not s.rewritten]
+    assert skipped.reason == "block 0 is not in blocks=1"
+    ref = joint_tome(model, 0.5, select=re.compile(r"^transformer_blocks\.1$"))
+    assert (out - run(ref, inputs)).abs().max() < 1e-5
+
+
+def test_sd3_oracle_and_todo():
+    """The oracle (benchmark bound) keeps the first N - r image tokens of each of q, k, v; ToDo on
+    joint attention is not built and says so (the model runs plain)."""
+    from tome_compile import ToMeBackend, ToMeConfig
+
+    model, inputs = tiny_sd3()
+    backend = ToMeBackend(ToMeConfig(0.5, use_rand=False), compiler="eager", oracle=True)
+    oracle = torch.compile(copy.deepcopy(model), backend=backend, fullgraph=True)
+    assert run(oracle, inputs).shape == (2, 4, 16, 16)
+    assert [s.tokens_after for s in backend.reports[0].rewritten] == [32, 32]
+    todo, backend = compile_sd3(model, method="todo")
+    with pytest.warns(ToMeWarning, match="ToDo on joint attention is not built"):
+        out = run(todo, inputs)
+    assert torch.equal(out, run(model, inputs))
+
+
+def tiny_sd3_pipeline():
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+    model, _ = tiny_sd3()
+    torch.manual_seed(0)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16),
+                        latent_channels=4, norm_num_groups=8, sample_size=32).eval()
+    pipe = StableDiffusion3Pipeline(transformer=model, scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae,
+                                    text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
+                                    text_encoder_3=None, tokenizer_3=None)
+    pipe.set_progress_bar_config(disable=True)
+    g = torch.Generator().manual_seed(0)
+    kwargs = dict(prompt_embeds=torch.randn(1, 5, 32, generator=g),
+                  negative_prompt_embeds=torch.randn(1, 5, 32, generator=g),
+                  pooled_prompt_embeds=torch.randn(1, 16, generator=g),
+                  negative_pooled_prompt_embeds=torch.randn(1, 16, generator=g),
+                  height=64, width=64, num_inference_steps=3, output_type="latent")
+    return pipe, kwargs
+
+
+@pytest.mark.parametrize("options", [dict(seed=3), dict(method="importance", seed=3),
+                                     dict(plan_every=2, seed=3)])
+def test_apply_on_a_stable_diffusion_3_pipeline(options):
+    """As StableDiffusion3Pipeline calls it (CFG rows, a tensor timestep per image, 3 steps): one
+    graph for every step and image; the same seed gives the same image; a batch of two prompts;
+    remove(pipe) gives the plain pipeline back, bit for bit."""
+    pipe, kwargs = tiny_sd3_pipeline()
+
+    def image(**more):
+        return pipe(**{**kwargs, **more}, generator=torch.Generator().manual_seed(1)).images
+
+    plain = image()
+    tome_compile.apply(pipe, 0.5, compiler="eager", **options)
+    torch._dynamo.utils.counters.clear()
+    first = image()
+    assert torch.equal(image(), first)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # every step, both images
+    assert (first - plain).abs().max() > 1e-3
+    two = {k: v.repeat(2, *[1] * (v.dim() - 1)) for k, v in kwargs.items() if torch.is_tensor(v)}
+    assert image(**two).shape == (2, 4, 32, 32)  # two prompts: batch 4 with the CFG rows
+    report = pipe.tome.reports[-1]
+    assert [s.tokens_after for s in report.rewritten] == [128, 128]
+    assert report.method == options.get("method", "tome")
+    tome_compile.remove(pipe)
+    assert torch.equal(image(), plain)
+
+
+def test_flux_is_reported_not_merged_and_a_unet_has_no_joint_attention():
+    """Flux is not merged yet: its double blocks concatenate q, k, v as ``[B, L, heads, d]`` and
+    its latent comes packed (no patch-embedding convolution gives the grid), its single blocks
+    concatenate before the projections. Both reported, nothing merged, the plain output bit for
+    bit."""
+    model, inputs = tiny_flux()
+    backend = tome_backend(0.5, compiler="eager")
+    compiled_model = torch.compile(model, backend=backend, fullgraph=True)
+    with pytest.warns(ToMeWarning, match="rewrote nothing: .*joint attention"):
+        got = run(compiled_model, inputs)
+    assert torch.equal(got, run(model, inputs))
+    (result,) = backend.reports
+    reasons = {s.path: s.reason for s in result.sites}
+    assert {s.kind for s in result.sites} == {"joint-attention"} and not result.rewritten
+    assert reasons == {
+        "transformer_blocks.0.attn": "joint attention over two streams in one sequence (5 + 64 tokens "
+                                     "of image and text, as in SD3 / Flux): not merged yet",
+        "single_transformer_blocks.0.attn": "single-stream joint attention over two streams in one "
+                                            "sequence (5 + 64 tokens of image and text, as in SD3 / Flux): "
+                                            "not merged yet"}
+    # negative: a U-Net's self- and cross-attention are never read as joint attention
+    unet = tiny_unet()
+    unet_model, unet_backend = compiled(unet, ratio=0.5, use_rand=False)
+    call(unet_model, tiny_inputs(unet))
+    assert {s.kind for s in unet_backend.reports[0].sites} == {"self-attention", "cross-attention"}
+
+
+def test_sd3_tome_export_runs_in_onnx_runtime_as_in_pytorch(tmp_path):
+    """tome-export of an SD3 transformer: every joint attention rewritten and fused (ONNX Runtime's
+    MultiHeadAttention over the merged image tokens and the text), the file's numbers PyTorch's."""
+    from export_helpers import ort_session
+    from tome_compile.export import export_onnx
+
+    from tome_compile import ToMeConfig
+
+    model, inputs = tiny_sd3()
+    result = export_onnx(model, tmp_path / "sd3.onnx", ToMeConfig(0.5, use_rand=False), height=128, width=128,
+                         batch=2, seq_len=5)
+    assert [s.kind for s in result.report.rewritten] == ["joint-attention"] * 2
+    assert result.fused_attention == 2 and result.parity_max_abs < 1e-4
+    assert result.input_names == ["sample", "timestep", "encoder_hidden_states", "pooled_projections"]
+    feed = {"sample": inputs["hidden_states"], "timestep": inputs["timestep"],
+            "encoder_hidden_states": inputs["encoder_hidden_states"],
+            "pooled_projections": inputs["pooled_projections"]}
+    (got,) = ort_session(tmp_path / "sd3.onnx").run(None, {k: v.numpy() for k, v in feed.items()})
+    merged, _ = compile_sd3(model, use_rand=False)
+    want = run(merged, inputs)
+    assert abs(torch.from_numpy(got) - want).max() < 1e-4
+    assert (torch.from_numpy(got) - run(model, inputs)).abs().max() > 1e-3  # merged, not the plain model
