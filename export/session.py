@@ -286,8 +286,9 @@ class ToMeSession:
                     continue
                 where = f"added_cond_kwargs[{name!r}]" if source else name
                 if name in {spec.name for spec in self.specs}:
-                    raise ToMeExportError(f"{where}: ToMe's inputs are fed by ToMeSession itself; call "
-                                          "session.run() to feed them by hand")
+                    raise ToMeExportError(f"{where}: ToMe's inputs are fed by ToMeSession itself; to feed "
+                                          "them by hand, run session.model (the ONNX Runtime session) "
+                                          "with every input")
                 what = _NOT_EXPORTED.get(name, f"input named {name!r}")
                 raise ToMeExportError(
                     f"this export has no {what}, but {where} was given: it would be ignored; "

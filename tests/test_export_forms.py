@@ -314,6 +314,12 @@ def test_importance_export_takes_every_size_and_batch_of_pairs_call_by_call(tmp_
     inputs = tiny_inputs(unet, hw=(17, 16))
     with pytest.raises(ToMeExportError, match="multiples of 2"):
         session(inputs.sample, 999, inputs.encoder_hidden_states)
+    # the map is the session's to size and feed (one row per pair): never taken by name
+    inputs = tiny_inputs(unet, batch=2)
+    given = np.zeros((1, 16, 16), np.float32)
+    with pytest.raises(ToMeExportError, match=r"^tome_importance: ToMe's inputs are fed by ToMeSession "
+                                              r"itself; to feed them by hand, run session.model"):
+        session(inputs.sample, 999, inputs.encoder_hidden_states, tome_importance=given)
 
 
 def test_lcm_timestep_cond_is_an_input_of_its_family(tmp_path):

@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model",
         default="sd15",
-        help="sd15 | sd21 | sdxl | animatediff | svd | pixart | zero123 (the Zero123++ wrapper "
+        help="sd15 | sd21 | sdxl | animatediff | svd | pixart | sd3 | zero123 (the Zero123++ wrapper "
         "around sd21: --sizes is one view's size, 320: 960 x 640 tiled) | a local diffusers folder",
     )
     parser.add_argument("--frames", type=positive_int, default=None,
