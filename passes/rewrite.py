@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tome_compile.passes import sites as _sites
+from tome_compile.passes.dataflow import LINEAR_OPS, is_call, is_shape_op
 from tome_compile.passes.decide import BlockPlan, Target
 from torch import fx
 
@@ -171,15 +172,46 @@ def _merge_target(graph: fx.Graph, plan: BlockPlan, target: Target, after: fx.No
             user.replace_input_with(target.output, un)
 
 
-def _merge_joint(graph: fx.Graph, plan: BlockPlan, slot: fx.Node | None, weight: fx.Node | None) -> None:
-    """Joint attention: the image stream's parts of q, k and v merged at their concatenation (after
-    the projections, the qk-norm and any rotary embedding), the text's whole; after the attention
-    op, the image part of its output unmerged (the text part untouched), so that everything after
-    the op (the split into streams by token count, ``to_out``, ``to_add_out``) sees every token."""
+def _plain_projections(plan: BlockPlan) -> list[fx.Node] | None:
+    """The image stream's q, k and v linears of a joint attention when nothing but reshapes lies
+    between each and its concatenation (SD3-medium: no qk-norm, no rotary embedding) and nothing
+    else reads them: merging their input then equals merging their outputs (a mean commutes with an
+    affine map) and spares them the merged tokens. None otherwise."""
+    streams, image, x = plan.site.joint, plan.site.image, plan.site.input
+    assert streams is not None and image is not None
+    linears = []
+    for cat in streams.cats:
+        node = cat.args[0][image]
+        while isinstance(node, fx.Node) and is_shape_op(node) and len(node.users) == 1:
+            node = node.args[0]
+        if not (is_call(node, LINEAR_OPS) and node.args[0] is x and len(node.users) == 1):
+            return None
+        linears.append(node)
+    return linears
+
+
+def _merge_joint(graph: fx.Graph, plan: BlockPlan, after: fx.Node, slot: fx.Node | None,
+                 weight: fx.Node | None) -> None:
+    """Joint attention: the image stream's parts of q, k and v merged — at their projections' input
+    where only reshapes follow the projections (:func:`_plain_projections`), else at their
+    concatenation (after the qk-norm and any rotary embedding) — the text's whole; after the
+    attention op, the image part of its output unmerged (the text part untouched), so that
+    everything after the op (the split into streams by token count, ``to_out``, ``to_add_out``)
+    sees every token."""
     site, r = plan.site, plan.merged
     streams, image = site.joint, site.image
     assert streams is not None and image is not None
-    for cat in streams.cats:
+    linears = _plain_projections(plan)
+    if linears is not None:
+        with graph.inserting_after(after):
+            if slot is not None:
+                merged = graph.call_function(_merge.merge_tokens, (site.input, slot, weight))
+            else:
+                merged = graph.call_function(_merge.oracle_merge, (site.input, r))
+        _tag(merged, site.path, "merge")
+        for linear in linears:
+            linear.replace_input_with(site.input, merged)
+    for cat in streams.cats if linears is None else ():
         parts = list(cat.args[0])
         with graph.inserting_before(cat):
             if slot is not None:
@@ -238,7 +270,7 @@ def rewrite_block(graph: fx.Graph, plan: BlockPlan, config: ToMeConfig, io: Bloc
         last = weight
     for target in plan.targets:
         if target.joint:
-            _merge_joint(graph, plan, slot, weight)
+            _merge_joint(graph, plan, last, slot, weight)
             continue
         _merge_target(graph, plan, target, last if target.input is plan.site.input else target.input,
                       slot, weight)

@@ -12,19 +12,21 @@ import pytest
 import torch
 from conftest import call, compiled, tiny_inputs, tiny_unet
 from joint_reference import joint_tome
+from tome_compile.passes.dataflow import module_path
 
 import tome_compile
 from tome_compile import ToMeWarning, tome_backend
 
 
-def tiny_sd3():
+def tiny_sd3(qk_norm=None):
+    """SD3-medium's layout, tiny (SD3.5's: ``qk_norm="rms_norm"``)."""
     from diffusers import SD3Transformer2DModel
 
     torch.manual_seed(0)
     model = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, num_layers=2,
                                   attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
                                   caption_projection_dim=16, pooled_projection_dim=16, out_channels=4,
-                                  pos_embed_max_size=32)
+                                  pos_embed_max_size=32, qk_norm=qk_norm)
     inputs = dict(hidden_states=torch.randn(2, 4, 16, 16), encoder_hidden_states=torch.randn(2, 5, 32),
                   pooled_projections=torch.randn(2, 16), timestep=torch.tensor([999.0, 999.0]))
     return model.eval(), inputs
@@ -55,8 +57,12 @@ def compile_sd3(model, ratio=0.5, **options):
     return torch.compile(copy.deepcopy(model), backend=backend, fullgraph=True), backend
 
 
-def test_sd3_merges_the_image_tokens_only_and_equals_the_reference():
-    model, inputs = tiny_sd3()
+@pytest.mark.parametrize("qk_norm", [None, "rms_norm"])
+def test_sd3_merges_the_image_tokens_only_and_equals_the_reference(qk_norm):
+    """SD3-medium (linear projections, then reshapes): the image tokens merged once, at the input of
+    to_q / to_k / to_v (what the reference's merge of q, k and v equals); SD3.5 (a qk-norm between
+    projection and attention): q, k and v's image parts merged at their concatenation."""
+    model, inputs = tiny_sd3(qk_norm)
     merged, backend = compile_sd3(model, use_rand=False)
     out = run(merged, inputs)
     assert (out - run(joint_tome(model, 0.5), inputs)).abs().max() < 1e-5
@@ -66,10 +72,15 @@ def test_sd3_merges_the_image_tokens_only_and_equals_the_reference():
         (f"transformer_blocks.{k}.attn", "joint-attention", 64, 32, (8, 8)) for k in range(2)]
     assert all(s.reason.startswith("joint attention, image 64 → 32, text 5 kept; downsample 1")
                for s in report.rewritten)
-    # q, k and v's image parts merged at each block's concatenation, its output unmerged once
-    assert report.count_nodes("merge") == 6 and report.count_nodes("unmerge") == 2
     merges = [n for n in report.graph_module.graph.nodes if n.meta.get("tome", {}).get("role") == "merge"]
-    assert all(user.target in (torch.cat, torch.concat) for n in merges for user in n.users)
+    if qk_norm is None:  # one merge per block, read by the image projections alone
+        assert len(merges) == 2
+        assert [sorted(module_path(u).rsplit(".", 1)[-1] for u in n.users) for n in merges] == [
+            ["to_k", "to_q", "to_v"]] * 2
+    else:  # q, k and v each merged where it is concatenated with the text's
+        assert len(merges) == 6
+        assert all(user.target in (torch.cat, torch.concat) for n in merges for user in n.users)
+    assert report.count_nodes("unmerge") == 2  # the attention's output, once per block
 
 
 def test_sd3_ratio_zero_is_the_plain_model_and_blocks_select():
