@@ -51,7 +51,7 @@ def _model_arguments(p: argparse._ArgumentGroup) -> None:
         "--model",
         default=None,
         help="local diffusers U-Net / PixArt transformer or pipeline folder, or sd15 | sd21 | sdxl | "
-        "animatediff | svd | pixart | zero123 (random weights), or shapes (the shipped trained model)",
+        "animatediff | svd | pixart | sd3 | zero123 (random weights), or shapes (the shipped trained model)",
     )
     p.add_argument(
         "--multiview",

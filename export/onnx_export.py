@@ -284,14 +284,12 @@ def _prepare(unet: torch.nn.Module, out: Path, config: ToMeConfig, o: ExportOpti
     inputs.timestep = (inputs.timestep.to(torch.float32) if family.dit
                        else torch.tensor([float(inputs.timestep)], dtype=torch.float32))
     multiple = latent_multiple(unet)
-    sizes = None
-    if any_size_export(family, config, o):
-        latent = tuple(inputs.sample.shape[-2:])
-        if latent[0] % multiple or latent[1] % multiple:
-            raise ToMeExportError(f"height={o.height}, width={o.width}: the traced latent "
-                                  f"{latent[0]}x{latent[1]} must be a multiple of {multiple} (the U-Net's "
-                                  "downsampling) on each side")
-        sizes = size_axes(multiple)
+    latent = tuple(inputs.sample.shape[-2:])
+    if latent[0] % multiple or latent[1] % multiple:  # a DiT would run, cropped to its patch grid
+        raise ToMeExportError(f"height={o.height}, width={o.width}: the traced latent "
+                              f"{latent[0]}x{latent[1]} must be a multiple of {multiple} (the U-Net's "
+                              "downsampling, a DiT's patch size) on each side")
+    sizes = size_axes(multiple) if any_size_export(family, config, o) else None
     return _Run(unet=unet, out=out, config=config, options=o, inputs=inputs, family=family, dynamic=dynamic,
                 traced=traced, pairs=pairs, sizes=sizes, multiple=multiple)
 

@@ -195,7 +195,7 @@ def test_sd3_tome_export_runs_in_onnx_runtime_as_in_pytorch(tmp_path):
     from export_helpers import ort_session
     from tome_compile.export import export_onnx
 
-    from tome_compile import ToMeConfig
+    from tome_compile import ToMeConfig, ToMeExportError
 
     model, inputs = tiny_sd3()
     result = export_onnx(model, tmp_path / "sd3.onnx", ToMeConfig(0.5, use_rand=False), height=128, width=128,
@@ -211,3 +211,8 @@ def test_sd3_tome_export_runs_in_onnx_runtime_as_in_pytorch(tmp_path):
     want = run(merged, inputs)
     assert abs(torch.from_numpy(got) - want).max() < 1e-4
     assert (torch.from_numpy(got) - run(model, inputs)).abs().max() > 1e-3  # merged, not the plain model
+    # negative: a size off the patch grid (SD3 would run, cropped) is refused, nothing written
+    with pytest.raises(ToMeExportError, match=r"^height=120, width=128: the traced latent 15x16 must be "
+                                              r"a multiple of 2 \(the U-Net's downsampling, a DiT's patch"):
+        export_onnx(model, tmp_path / "off.onnx", ToMeConfig(0.5), height=120, width=128, seq_len=5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sd3.onnx", "sd3.onnx.data"]
