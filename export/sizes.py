@@ -45,7 +45,10 @@ def other_size_check(unet: torch.nn.Module, traced: Any, result: ToMeResult, *, 
     seq_len = max(1, o.seq_len - 7)
     inputs = example_inputs(unet, batch=batch, height=height, width=o.width, seq_len=seq_len,
                             seed=o.seed + 1, dtype=traced.sample.dtype)
-    inputs.timestep = torch.tensor([float(inputs.timestep)], dtype=torch.float32)
+    # as the traced call: one timestep per image for a DiT, Optimum's float32[1] for a U-Net
+    assert inputs.family is not None
+    inputs.timestep = (inputs.timestep.to(torch.float32) if inputs.family.dit
+                       else torch.tensor([float(inputs.timestep)], dtype=torch.float32))
     latent = tuple(int(d) for d in inputs.sample.shape[-2:])
     specs = [spec.at_latent(*latent) for spec in result.inputs]
     if pairs:

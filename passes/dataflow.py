@@ -231,6 +231,14 @@ def _linear_above(node: Any, limit: int = 24) -> fx.Node | None:
     return None
 
 
+def _same_size(a: Any, b: Any) -> bool:
+    """Two sizes are one: equal ints, or symbolic sizes of one expression (never a guard)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    expr = getattr(getattr(a, "node", None), "expr", None)
+    return expr is not None and expr == getattr(getattr(b, "node", None), "expr", None)
+
+
 def joint_streams(q: Any, k: Any, v: Any) -> JointStreams | None:
     """The streams of a double-stream joint attention whose attention op reads ``q``, ``k``, ``v``,
     or None (a single-stream block, whose one sequence is concatenated before its projections, is
@@ -250,12 +258,14 @@ def joint_streams(q: Any, k: Any, v: Any) -> JointStreams | None:
         if any(lin is None for lin in linears):
             return None
         sources = {lin.args[0] for lin in linears}  # type: ignore[union-attr]
-        counts = {node_shape(t)[2] if node_shape(t) is not None else None for t in stream}  # type: ignore[index]
+        shapes = [node_shape(t) for t in stream]
+        counts = [shape[2] if shape is not None else None for shape in shapes]
         source = sources.pop()
-        if sources or len(counts) != 1 or None in counts or len(node_shape(source) or ()) != 3:
+        if (sources or None in counts or not all(_same_size(c, counts[0]) for c in counts)
+                or len(node_shape(source) or ()) != 3):
             return None
         inputs.append(source)
-        tokens.append(counts.pop())
+        tokens.append(counts[0])
     if len(inputs) < 2 or len(set(inputs)) != len(inputs):
         return None
     return JointStreams(cats=(q, k, v), inputs=tuple(inputs), tokens=tuple(tokens))

@@ -189,9 +189,11 @@ def test_flux_is_reported_not_merged_and_a_unet_has_no_joint_attention():
     assert {s.kind for s in unet_backend.reports[0].sites} == {"self-attention", "cross-attention"}
 
 
-def test_sd3_tome_export_runs_in_onnx_runtime_as_in_pytorch(tmp_path):
+def test_sd3_tome_export_runs_in_onnx_runtime_as_in_pytorch_at_every_size(tmp_path):
     """tome-export of an SD3 transformer: every joint attention rewritten and fused (ONNX Runtime's
-    MultiHeadAttention over the merged image tokens and the text), the file's numbers PyTorch's."""
+    MultiHeadAttention over the merged image tokens and the text); one file for every image size
+    and text length, its numbers PyTorch's at the traced size and at another, non-square one."""
+    import onnx
     from export_helpers import ort_session
     from tome_compile.export import export_onnx
 
@@ -203,14 +205,26 @@ def test_sd3_tome_export_runs_in_onnx_runtime_as_in_pytorch(tmp_path):
     assert [s.kind for s in result.report.rewritten] == ["joint-attention"] * 2
     assert result.fused_attention == 2 and result.parity_max_abs < 1e-4
     assert result.input_names == ["sample", "timestep", "encoder_hidden_states", "pooled_projections"]
-    feed = {"sample": inputs["hidden_states"], "timestep": inputs["timestep"],
-            "encoder_hidden_states": inputs["encoder_hidden_states"],
-            "pooled_projections": inputs["pooled_projections"]}
-    (got,) = ort_session(tmp_path / "sd3.onnx").run(None, {k: v.numpy() for k, v in feed.items()})
-    merged, _ = compile_sd3(model, use_rand=False)
-    want = run(merged, inputs)
-    assert abs(torch.from_numpy(got) - want).max() < 1e-4
-    assert (torch.from_numpy(got) - run(model, inputs)).abs().max() > 1e-3  # merged, not the plain model
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+            for i in onnx.load(str(result.path), load_external_data=False).graph.input}
+    assert dims["sample"] == [2, 4, "height", "width"]
+    assert dims["encoder_hidden_states"] == [2, "sequence_length", 32]
+    session = ort_session(result.path)
+    g = torch.Generator().manual_seed(1)
+    other = dict(hidden_states=torch.randn(2, 4, 24, 16, generator=g),
+                 encoder_hidden_states=torch.randn(2, 3, 32, generator=g),
+                 pooled_projections=torch.randn(2, 16, generator=g), timestep=torch.tensor([999.0, 500.0]))
+    for given, tokens in ((inputs, 64), (other, 96)):
+        feed = {"sample": given["hidden_states"], "timestep": given["timestep"],
+                "encoder_hidden_states": given["encoder_hidden_states"],
+                "pooled_projections": given["pooled_projections"]}
+        (got,) = session.run(None, {k: v.numpy() for k, v in feed.items()})
+        merged, backend = compile_sd3(model, use_rand=False)
+        want = run(merged, given)
+        assert got.shape == tuple(given["hidden_states"].shape)
+        assert abs(torch.from_numpy(got) - want).max() < 1e-4
+        assert (want - run(model, given)).abs().max() > 1e-3  # merged, not the plain model
+        assert [s.tokens for s in backend.reports[0].rewritten] == [tokens] * 2
     # negative: a size off the patch grid (SD3 would run, cropped) is refused, nothing written
     with pytest.raises(ToMeExportError, match=r"^height=120, width=128: the traced latent 15x16 must be "
                                               r"a multiple of 2 \(the U-Net's downsampling, a DiT's patch"):

@@ -128,7 +128,7 @@ PIXART_SIZED = PIXART.with_inputs(  # PixArt-α 1024: resolution and aspect-rati
 )
 SD3 = ModelFamily("sd3", (_LATENT, _TIMESTEP, _TEXT, ModelInput(
     "pooled_projections", True, "pooled_projections [B, D] (SD3's pooled text embedding)")),
-    dit=True, dynamic_batch=False, text_tokens=333)  # joint attention; its export: not built yet
+    dit=True, dynamic_batch=False, text_tokens=333, any_size=True)  # keeps its batch, as PixArt's
 MULTIVIEW = UNET.with_inputs(  # Zero123++'s two-pass wrapper around its U-Net
     "multiview",
     ModelInput("cond_lat", True, "cross_attention_kwargs={'cond_lat': ...} (multi-view: the condition "
