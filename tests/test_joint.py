@@ -225,6 +225,14 @@ def test_sd3_tome_export_runs_in_onnx_runtime_as_in_pytorch_at_every_size(tmp_pa
         assert abs(torch.from_numpy(got) - want).max() < 1e-4
         assert (want - run(model, given)).abs().max() > 1e-3  # merged, not the plain model
         assert [s.tokens for s in backend.reports[0].rewritten] == [tokens] * 2
+    # the file as StableDiffusion3Pipeline's transformer (ToMeSession, 32x32 latent, CFG, 3 steps)
+    # gives the images of the pipeline compiled with the same settings
+    pipe, kwargs = tiny_sd3_pipeline()
+    tome_compile.apply(pipe, onnx=result.path)
+    compiled_pipe, _ = tiny_sd3_pipeline()
+    tome_compile.apply(compiled_pipe, 0.5, compiler="eager", use_rand=False)
+    images = [p(**kwargs, generator=torch.Generator().manual_seed(1)).images for p in (pipe, compiled_pipe)]
+    assert images[0].shape == (1, 4, 32, 32) and (images[0] - images[1]).abs().max() < 1e-4
     # negative: a size off the patch grid (SD3 would run, cropped) is refused, nothing written
     with pytest.raises(ToMeExportError, match=r"^height=120, width=128: the traced latent 15x16 must be "
                                               r"a multiple of 2 \(the U-Net's downsampling, a DiT's patch"):
