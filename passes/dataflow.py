@@ -139,9 +139,36 @@ def _lora_base(node: Any) -> fx.Node | None:
     return None
 
 
+_RSQRT_OPS: set[Any] = {torch.rsqrt, torch.ops.aten.rsqrt.default}
+_RMS_NORM_OPS: set[Any] = {torch.nn.functional.rms_norm, torch.ops.aten.rms_norm.default}
+
+
+def qk_norm_input(node: Any) -> fx.Node | None:
+    """The tensor a per-token norm of queries or keys (a qk-norm: SD3.5's, Flux's) normalises, or
+    None: ``layer_norm`` / ``rms_norm``, or diffusers' ``RMSNorm`` written out —
+    ``x * rsqrt(mean(x², -1) + eps)``, then its casts and ``* weight``."""
+    if is_call(node, LAYER_NORM_OPS | _RMS_NORM_OPS):
+        return node.args[0]
+    for _ in range(4):
+        if not isinstance(node, fx.Node):
+            return None
+        if is_call(node, _SCALE_OPS) and len(node.args) == 2:
+            a, b = node.args
+            for x, r in ((a, b), (b, a)):
+                if is_call(r, _RSQRT_OPS) and isinstance(x, fx.Node) and descends(r, x, limit=8):
+                    return x
+            node = a  # the weight's product: the normalised tensor is its first operand
+        elif _through_dropout(node) is not node:  # a cast
+            node = _through_dropout(node)
+        else:
+            return None
+    return None
+
+
 def projection_of(node: Any) -> fx.Node | None:
-    """Walk back through shape-only ops to the linear projection that produced ``node`` (a LoRA
-    wrapper's: its base layer, whose input is the projection's input)."""
+    """Walk back through shape-only ops and a qk-norm (:func:`qk_norm_input`) to the linear
+    projection that produced ``node`` (a LoRA wrapper's: its base layer, whose input is the
+    projection's input)."""
     for _ in range(16):
         if not isinstance(node, fx.Node):
             return None
@@ -152,6 +179,8 @@ def projection_of(node: Any) -> fx.Node | None:
             return lora
         if is_shape_op(node):
             node = node.args[0]
+        elif (normalised := qk_norm_input(node)) is not None:
+            node = normalised
         else:
             return None
     return None

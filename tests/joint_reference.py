@@ -5,7 +5,8 @@ loop over the batch rows), tomesd's groups of the image tokens from the block in
 the image part of q, k and v — after the projections and the qk-norm, as the processor makes them —
 replaced by each group's mean; the text tokens appended whole; attention over both; every image
 token given its group's output, the text tokens their own; then the processor's split and output
-projections as diffusers writes them."""
+projections as diffusers writes them. SD3.5's second, image-only attention (``attn2`` of its
+dual-attention blocks) merges its input with the same groups, as tomesd merges a self-attention."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import re
 from typing import Any
 
 import torch
-from video_reference import _groups
+from video_reference import _groups, _PerFrameAttention
 
 EVERY_BLOCK = re.compile(r"^transformer_blocks\.\d+$")
 
@@ -84,4 +85,6 @@ def joint_tome(model: torch.nn.Module, ratio: float, select: re.Pattern[str] = E
 
             block.register_forward_pre_hook(keep, with_kwargs=True)
             block.attn.set_processor(JointToMeReference(block, grid, ratio))
+            if getattr(block, "attn2", None) is not None:  # SD3.5's image-only self-attention: tomesd's
+                block.attn2 = _PerFrameAttention(block.attn2, block, grid, ratio)
     return ref

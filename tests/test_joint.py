@@ -18,15 +18,16 @@ import tome_compile
 from tome_compile import ToMeWarning, tome_backend
 
 
-def tiny_sd3(qk_norm=None):
-    """SD3-medium's layout, tiny (SD3.5's: ``qk_norm="rms_norm"``)."""
+def tiny_sd3(qk_norm=None, dual_attention_layers=()):
+    """SD3-medium's layout, tiny (SD3.5 Medium's: ``qk_norm="rms_norm"`` and dual-attention blocks)."""
     from diffusers import SD3Transformer2DModel
 
     torch.manual_seed(0)
     model = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, num_layers=2,
                                   attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
                                   caption_projection_dim=16, pooled_projection_dim=16, out_channels=4,
-                                  pos_embed_max_size=32, qk_norm=qk_norm)
+                                  pos_embed_max_size=32, qk_norm=qk_norm,
+                                  dual_attention_layers=dual_attention_layers)
     inputs = dict(hidden_states=torch.randn(2, 4, 16, 16), encoder_hidden_states=torch.randn(2, 5, 32),
                   pooled_projections=torch.randn(2, 16), timestep=torch.tensor([999.0, 999.0]))
     return model.eval(), inputs
@@ -57,30 +58,34 @@ def compile_sd3(model, ratio=0.5, **options):
     return torch.compile(copy.deepcopy(model), backend=backend, fullgraph=True), backend
 
 
-@pytest.mark.parametrize("qk_norm", [None, "rms_norm"])
-def test_sd3_merges_the_image_tokens_only_and_equals_the_reference(qk_norm):
+@pytest.mark.parametrize("sd35", [False, True])
+def test_sd3_merges_the_image_tokens_only_and_equals_the_reference(sd35):
     """SD3-medium (linear projections, then reshapes): the image tokens merged once, at the input of
-    to_q / to_k / to_v (what the reference's merge of q, k and v equals); SD3.5 (a qk-norm between
-    projection and attention): q, k and v's image parts merged at their concatenation."""
-    model, inputs = tiny_sd3(qk_norm)
+    to_q / to_k / to_v (what the reference's merge of q, k and v equals). SD3.5 Medium (a qk-norm
+    between projection and attention): q, k and v's image parts merged at their concatenation, and
+    its dual-attention block's image-only attn2 (a self-attention through a qk-norm) merged as a
+    U-Net's."""
+    model, inputs = tiny_sd3(*(("rms_norm", (0,)) if sd35 else ()))
     merged, backend = compile_sd3(model, use_rand=False)
     out = run(merged, inputs)
     assert (out - run(joint_tome(model, 0.5), inputs)).abs().max() < 1e-5
     assert (out - run(model, inputs)).abs().max() > 1e-3  # it does merge
     (report,) = backend.reports
-    assert [(s.path, s.kind, s.tokens, s.tokens_after, s.grid) for s in report.rewritten] == [
-        (f"transformer_blocks.{k}.attn", "joint-attention", 64, 32, (8, 8)) for k in range(2)]
+    joint = [(f"transformer_blocks.{k}.attn", "joint-attention", 64, 32, (8, 8)) for k in range(2)]
+    if sd35:
+        joint.insert(1, ("transformer_blocks.0.attn2", "self-attention", 64, 32, (8, 8)))
+    assert [(s.path, s.kind, s.tokens, s.tokens_after, s.grid) for s in report.rewritten] == joint
     assert all(s.reason.startswith("joint attention, image 64 → 32, text 5 kept; downsample 1")
-               for s in report.rewritten)
+               for s in report.rewritten if s.kind == "joint-attention")
     merges = [n for n in report.graph_module.graph.nodes if n.meta.get("tome", {}).get("role") == "merge"]
-    if qk_norm is None:  # one merge per block, read by the image projections alone
-        assert len(merges) == 2
-        assert [sorted(module_path(u).rsplit(".", 1)[-1] for u in n.users) for n in merges] == [
-            ["to_k", "to_q", "to_v"]] * 2
-    else:  # q, k and v each merged where it is concatenated with the text's
-        assert len(merges) == 6
-        assert all(user.target in (torch.cat, torch.concat) for n in merges for user in n.users)
-    assert report.count_nodes("unmerge") == 2  # the attention's output, once per block
+    readers = [sorted(module_path(u) for u in n.users) for n in merges]
+    if not sd35:  # one merge per block, read by the image projections alone
+        assert readers == [[f"transformer_blocks.{k}.attn.to_{p}" for p in "kqv"] for k in range(2)]
+    else:  # q, k and v each merged where it is concatenated with the text's; attn2's input once
+        assert sum(all(u.target in (torch.cat, torch.concat) for u in n.users) for n in merges) == 6
+        assert ["transformer_blocks.0.attn2.to_k", "transformer_blocks.0.attn2.to_q",
+                "transformer_blocks.0.attn2.to_v"] in readers and len(merges) == 7
+    assert report.count_nodes("unmerge") == len(joint)  # each attention's output, once
 
 
 def test_sd3_ratio_zero_is_the_plain_model_and_blocks_select():
