@@ -23,7 +23,7 @@ if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("TOME_TEST_THREADS",
 # first), where alphabetical order left one worker on the last export-heavy files alone.
 HEAVY_FIRST = ["test_export_forms.py", "test_export_cli.py", "test_export.py", "test_serve.py",
                "test_video.py", "test_share_plan.py", "test_zero123.py", "test_shapes.py", "test_todo.py",
-               "test_call_state.py", "test_bench.py"]
+               "test_call_state.py", "test_joint.py", "test_bench.py"]
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
