@@ -287,8 +287,7 @@ def joint_streams(q: Any, k: Any, v: Any) -> JointStreams | None:
         if any(lin is None for lin in linears):
             return None
         sources = {lin.args[0] for lin in linears}  # type: ignore[union-attr]
-        shapes = [node_shape(t) for t in stream]
-        counts = [shape[2] if shape is not None else None for shape in shapes]
+        counts = [shape[2] if (shape := node_shape(t)) is not None else None for t in stream]
         source = sources.pop()
         if (sources or None in counts or not all(_same_size(c, counts[0]) for c in counts)
                 or len(node_shape(source) or ()) != 3):
@@ -303,14 +302,7 @@ def joint_streams(q: Any, k: Any, v: Any) -> JointStreams | None:
 def _descends_to_linear(node: fx.Node, limit: int = 24) -> bool:
     """``node`` is computed from a linear projection within ``limit`` nodes (through norms, rotary
     products and shape ops: the first input of each node)."""
-    for _ in range(limit):
-        if is_call(node, LINEAR_OPS):
-            return True
-        inputs = node.all_input_nodes
-        if not inputs:
-            return False
-        node = inputs[0]
-    return False
+    return _linear_above(node, limit) is not None
 
 
 def readers(node: Any, x: fx.Node) -> list[fx.Node]:

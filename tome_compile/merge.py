@@ -432,18 +432,23 @@ def merge_heads(x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor) -> to
     return out * w
 
 
+def _joint_parts(y: torch.Tensor, kept: int, image_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A joint attention's output ``[B, H, T + kept, d]`` split into (image, text) parts, in
+    their order (``image_first``: SD3's image then text; else Flux's text then image)."""
+    total = y.shape[2]
+    if image_first:
+        return y.narrow(2, 0, kept), y.narrow(2, kept, total - kept)
+    return y.narrow(2, total - kept, kept), y.narrow(2, 0, total - kept)
+
+
 def unmerge_joint(y: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, image_first: bool
                   ) -> torch.Tensor:
     """A joint attention's output ``[B, H, T + N - r, d]`` (its two streams' tokens, the image's
     merged) back to ``[B, H, T + N, d]``: every image token takes its slot's value, the text tokens
-    stay as they are, the streams in their order (``image_first``: SD3's image then text; else
-    Flux's text then image)."""
-    b, h, total, d = y.shape
-    kept = weight.shape[1]
-    start = 0 if image_first else total - kept
-    image = y.narrow(2, start, kept)
+    stay as they are, the streams in their order."""
+    b, h, _, d = y.shape
+    image, text = _joint_parts(y, weight.shape[1], image_first)
     image = image.gather(2, slot[:, None, :, None].expand(b, h, slot.shape[1], d))
-    text = y.narrow(2, kept, total - kept) if image_first else y.narrow(2, 0, total - kept)
     return torch.cat([image, text] if image_first else [text, image], dim=2)
 
 
@@ -455,11 +460,8 @@ def oracle_merge_heads(x: torch.Tensor, r: int) -> torch.Tensor:
 def oracle_unmerge_joint(y: torch.Tensor, r: int, kept: int, image_first: bool) -> torch.Tensor:
     """:func:`oracle_unmerge` of a joint attention's image part (its ``kept`` tokens repeated back to
     ``kept + r``), the text part as it is."""
-    total = y.shape[2]
-    start = 0 if image_first else total - kept
-    image = y.narrow(2, start, kept)
+    image, text = _joint_parts(y, kept, image_first)
     image = torch.cat([image, image[:, :, :r]], dim=2)
-    text = y.narrow(2, kept, total - kept) if image_first else y.narrow(2, 0, total - kept)
     return torch.cat([image, text] if image_first else [text, image], dim=2)
 
 
