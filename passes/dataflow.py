@@ -53,6 +53,7 @@ _PASSTHROUGH_FUNCS: set[Any] = {
     torch.ops.aten.permute.default, torch.ops.aten.contiguous.default, torch.ops.aten.clone.default,
     torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.expand.default,
     torch.ops.aten.unsqueeze.default, torch.ops.aten.t.default, operator.getitem,
+    torch.ops.aten.unflatten.int, torch.ops.aten.flatten.using_ints,  # pre-dispatch make_fx
     torch.split, torch.functional.split, torch.chunk,  # fused QKV: Dynamo
     torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default, torch.ops.aten.chunk.default,
     torch.nn.functional.dropout, torch.dropout, torch.ops.aten.dropout.default,  # eval-mode dropout
@@ -221,16 +222,23 @@ def joint_parts(node: Any, limit: int = 32) -> tuple[list[Any], bool] | None:
 
 @dataclass(frozen=True)
 class JointStreams:
-    """A double-stream joint attention (SD3's ``JointAttnProcessor2_0``, Flux's double blocks):
-    queries, keys and values each the concatenation, along the tokens of ``[B, heads, L, d]``, of
-    one part per stream; each stream's parts projected from one sequence ``[B, N_i, C]``.
+    """A joint attention: the tokens of two or more streams in one sequence.
 
-    ``cats``: the q, k and v concatenations; ``inputs``: the sequence each stream is projected
-    from, in concatenation order; ``tokens``: each stream's token count (a size, maybe symbolic)."""
+    Double stream (SD3's ``JointAttnProcessor2_0``, Flux's double blocks): queries, keys and
+    values each the concatenation along the tokens of one part per stream, each stream's parts
+    projected from one sequence ``[B, N_i, C]``; ``cats`` are the three concatenations. Single
+    stream (Flux's single blocks, ``single``): the streams concatenated before the projections;
+    ``cats`` is that one concatenation ``[B, sum N_i, C]``. Between a concatenation and the
+    attention op there may be norms and a rotary embedding (Flux).
 
-    cats: tuple[fx.Node, fx.Node, fx.Node]
+    ``inputs``: the sequence each stream is projected from (single: each stream's tokens as they
+    enter the concatenation — the block's inputs), in concatenation order; ``tokens``: each
+    stream's token count (a size, maybe symbolic)."""
+
+    cats: tuple[fx.Node, ...]
     inputs: tuple[fx.Node, ...]
     tokens: tuple[Any, ...]
+    single: bool = False
 
 
 def _cat_parts(node: Any) -> tuple[list[fx.Node], int] | None:
@@ -268,26 +276,49 @@ def _same_size(a: Any, b: Any) -> bool:
     return expr is not None and expr == getattr(getattr(b, "node", None), "expr", None)
 
 
-def joint_streams(q: Any, k: Any, v: Any) -> JointStreams | None:
-    """The streams of a double-stream joint attention whose attention op reads ``q``, ``k``, ``v``,
-    or None (a single-stream block, whose one sequence is concatenated before its projections, is
-    not: its queries are not a concatenation)."""
-    found = [_cat_parts(t) for t in (q, k, v)]
+def _cat_above(node: Any, limit: int = 24) -> fx.Node | None:
+    """The concatenation ``node`` is computed from, before any linear (through rotary products,
+    norms, casts and shape ops: the first input of each node), or None."""
+    for _ in range(limit):
+        if not isinstance(node, fx.Node) or is_call(node, LINEAR_OPS):
+            return None
+        if _cat_parts(node) is not None:
+            return node
+        inputs = node.all_input_nodes
+        if not inputs:
+            return None
+        node = inputs[0]
+    return None
+
+
+def _token_axis(cat: fx.Node, dim: int, op_tokens: Any) -> bool:
+    """``cat`` concatenates along the tokens the attention op attends over (``op_tokens``)."""
+    shape = node_shape(cat)
+    if shape is None or not -len(shape) <= dim < len(shape):
+        return False
+    return _same_size(shape[dim], op_tokens)
+
+
+def _double_streams(q: Any, k: Any, v: Any, op_tokens: Any) -> JointStreams | None:
+    cats = [_cat_above(t) for t in (q, k, v)]
+    found = [_cat_parts(c) for c in cats]
     if any(f is None for f in found):
         return None
-    shapes = [node_shape(t) for t in (q, k, v)]
-    if any(s is None or len(s) != 4 for s in shapes):
+    if any(len(node_shape(c) or ()) != 4 or not _token_axis(c, f[1], op_tokens)  # type: ignore[index]
+           for c, f in zip(cats, found, strict=True)):
         return None
     parts = [f[0] for f in found]  # type: ignore[index]
-    if any(f[1] not in (2, -2) for f in found) or len({len(p) for p in parts}) != 1:  # type: ignore[index]
+    if len({len(p) for p in parts}) != 1 or len({c for c in cats}) != 3:
         return None
+    dims = [f[1] % len(node_shape(c) or ()) for c, f in zip(cats, found, strict=True)]  # type: ignore[index]
     inputs, tokens = [], []
     for stream in zip(*parts, strict=True):  # this stream's q, k and v parts
         linears = [_linear_above(t) for t in stream]
         if any(lin is None for lin in linears):
             return None
         sources = {lin.args[0] for lin in linears}  # type: ignore[union-attr]
-        counts = [shape[2] if (shape := node_shape(t)) is not None else None for t in stream]
+        counts = [shape[d] if (shape := node_shape(t)) is not None else None
+                  for t, d in zip(stream, dims, strict=True)]
         source = sources.pop()
         if (sources or None in counts or not all(_same_size(c, counts[0]) for c in counts)
                 or len(node_shape(source) or ()) != 3):
@@ -296,7 +327,36 @@ def joint_streams(q: Any, k: Any, v: Any) -> JointStreams | None:
         tokens.append(counts[0])
     if len(inputs) < 2 or len(set(inputs)) != len(inputs):
         return None
-    return JointStreams(cats=(q, k, v), inputs=tuple(inputs), tokens=tuple(tokens))
+    return JointStreams(cats=tuple(cats), inputs=tuple(inputs), tokens=tuple(tokens))  # type: ignore[arg-type]
+
+
+def _single_streams(q: Any, k: Any, v: Any, op_tokens: Any) -> JointStreams | None:
+    linears = [_linear_above(t) for t in (q, k, v)]
+    if any(lin is None for lin in linears) or len({lin.args[0] for lin in linears}) != 1:  # type: ignore[union-attr]
+        return None
+    x = linears[0].args[0]  # type: ignore[union-attr]
+    cat = _cat_above(x, limit=8)  # through the block's norm and its modulation
+    found = _cat_parts(cat)
+    shape = node_shape(cat)
+    if found is None or shape is None or len(shape) != 3 or not _token_axis(cat, found[1], op_tokens):
+        return None
+    parts, dim = found
+    if dim % 3 != 1 or len(parts) < 2 or any(len(node_shape(p) or ()) != 3 for p in parts):
+        return None
+    return JointStreams(cats=(cat,), inputs=tuple(parts),  # type: ignore[arg-type]
+                        tokens=tuple(node_shape(p)[1] for p in parts), single=True)  # type: ignore[index]
+
+
+def joint_streams(q: Any, k: Any, v: Any) -> JointStreams | None:
+    """The streams of a joint attention whose attention op reads ``q``, ``k``, ``v`` (``[B, heads,
+    L, d]``): double stream (q, k and v each a concatenation of the streams' projections, maybe
+    followed by a rotary embedding), else single stream (one concatenation of the streams before
+    the q, k and v projections), else None."""
+    shapes = [node_shape(t) for t in (q, k, v)]
+    if any(s is None or len(s) != 4 for s in shapes):
+        return None
+    op_tokens = shapes[0][2]  # type: ignore[index]
+    return _double_streams(q, k, v, op_tokens) or _single_streams(q, k, v, op_tokens)
 
 
 def _descends_to_linear(node: fx.Node, limit: int = 24) -> bool:

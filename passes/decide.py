@@ -156,7 +156,10 @@ def decide_site(
     r = _merge_count(n, h, w, config)
     if r <= 0:
         return Skip(f"ratio={config.ratio} merges no token of {n}", (h, w), downsample)
-    metric = _sites.norm_input(site.input)
+    # tomesd's metric is the block input: what the attention's norm reads, or (a single-stream
+    # joint block, which normalises the concatenated streams) the image stream as it enters
+    single = site.joint is not None and site.joint.single
+    metric = site.input if single else _sites.norm_input(site.input)
     if metric is None:
         return Skip("attention input is not a layer norm of the block input", (h, w), downsample)
     targets = _targets(site, found, graph, config)

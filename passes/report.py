@@ -67,11 +67,13 @@ def site_report(found: list[AttentionSite], decisions: list[BlockPlan | Skip], k
 
 
 def _joint_line(site: AttentionSite, kept: int) -> str:
-    """A joint attention's streams, as merged: "joint attention, image 4096 → 2048, text 333 kept; "."""
+    """A joint attention's streams, as merged: "joint attention, image 4096 → 2048, text 333 kept; "
+    (Flux's single-stream blocks: "single-stream joint attention, ...")."""
     if site.joint is None or site.image is None:
         return ""
     text = [str(size_hint(n)) for i, n in enumerate(site.joint.tokens) if i != site.image]
-    return f"joint attention, image {site.tokens} → {kept}, text {' + '.join(text)} kept; "
+    single = "single-stream " if site.joint.single else ""
+    return f"{single}joint attention, image {site.tokens} → {kept}, text {' + '.join(text)} kept; "
 
 
 def nothing_rewritten(result: ToMeResult, config: ToMeConfig) -> str | None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tome_compile.passes import sites as _sites
-from tome_compile.passes.dataflow import LINEAR_OPS, is_call, is_shape_op
+from tome_compile.passes.dataflow import LINEAR_OPS, is_call, is_shape_op, qkv
 from tome_compile.passes.decide import BlockPlan, Target
 from torch import fx
 
@@ -192,16 +192,24 @@ def _plain_projections(plan: BlockPlan) -> list[fx.Node] | None:
 
 def _merge_joint(graph: fx.Graph, plan: BlockPlan, after: fx.Node, slot: fx.Node | None,
                  weight: fx.Node | None) -> None:
-    """Joint attention: the image stream's parts of q, k and v merged — at their projections' input
-    where only reshapes follow the projections (:func:`_plain_projections`), else at their
-    concatenation (after the qk-norm and any rotary embedding) — the text's whole; after the
+    """Joint attention: the image stream's parts of q, k and v merged, the text's whole; after the
     attention op, the image part of its output unmerged (the text part untouched), so that
     everything after the op (the split into streams by token count, ``to_out``, ``to_add_out``)
-    sees every token."""
+    sees every token. Where the merge goes:
+
+    * at the image projections' input, where only reshapes follow them (SD3-medium,
+      :func:`_plain_projections`): the projections then run on the merged tokens too;
+    * at the concatenation of q, k and v, where it is what the attention op reads (SD3.5: after
+      the qk-norm);
+    * else at the attention op's inputs (Flux: after the rotary embedding, which indexes the
+      concatenated sequence by position; its single-stream blocks, which concatenate before the
+      projections): each token is merged as the attention would see it, rotated at its own
+      position."""
     site, r = plan.site, plan.merged
     streams, image = site.joint, site.image
     assert streams is not None and image is not None
-    linears = _plain_projections(plan)
+    linears = _plain_projections(plan) if not streams.single else None
+    at_cats = not streams.single and tuple(qkv(site.anchor)[:3]) == tuple(streams.cats)  # type: ignore[index]
     if linears is not None:
         with graph.inserting_after(after):
             if slot is not None:
@@ -211,15 +219,24 @@ def _merge_joint(graph: fx.Graph, plan: BlockPlan, after: fx.Node, slot: fx.Node
         _tag(merged, site.path, "merge")
         for linear in linears:
             linear.replace_input_with(site.input, merged)
-    for cat in streams.cats if linears is None else ():
-        parts = list(cat.args[0])
-        with graph.inserting_before(cat):
-            if slot is not None:
-                merged = graph.call_function(_merge.merge_heads, (parts[image], slot, weight))
-            else:
-                merged = graph.call_function(_merge.oracle_merge_heads, (parts[image], r))
-        parts[image] = _tag(merged, site.path, "merge")
-        cat.args = (parts, *cat.args[1:])
+    elif at_cats:
+        for cat in streams.cats:
+            parts = list(cat.args[0])
+            with graph.inserting_before(cat):
+                if slot is not None:
+                    merged = graph.call_function(_merge.merge_heads, (parts[image], slot, weight))
+                else:
+                    merged = graph.call_function(_merge.oracle_merge_heads, (parts[image], r))
+            parts[image] = _tag(merged, site.path, "merge")
+            cat.args = (parts, *cat.args[1:])
+    else:
+        for t in dict.fromkeys(qkv(site.anchor)[:3]):  # type: ignore[index]
+            with graph.inserting_before(site.anchor):
+                if slot is not None:
+                    merged = graph.call_function(_merge.merge_joint, (t, slot, weight, image == 0))
+                else:
+                    merged = graph.call_function(_merge.oracle_merge_joint, (t, r, plan.tokens, image == 0))
+            site.anchor.replace_input_with(t, _tag(merged, site.path, "merge"))
     first = image == 0
     with graph.inserting_after(site.anchor):
         if slot is not None:

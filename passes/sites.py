@@ -251,8 +251,10 @@ def pick_image_stream(site: AttentionSite, grid: tuple[int, int] | None) -> None
     counts = [size_hint(n) for n in streams.tokens]
     shown = " + ".join("?" if n is None else str(n) for n in counts)
     if grid is None:
-        site.problem = (f"joint attention ({shown} tokens): no patch grid to tell its image tokens from its "
-                        "text tokens (no patch-embedding convolution; Flux packs its latent: not merged yet)")
+        site.problem = (f"joint attention ({shown} tokens): no patch grid to tell its image tokens from "
+                        "its text tokens (no patch-embedding convolution: a packed latent, as Flux's, needs "
+                        "its grid given — tome_compile.apply(pipe) does, or tome_compile.set_packed_grid("
+                        "transformer, (height // 16, width // 16)) before compiling)")
         return
     image = [i for i, n in enumerate(counts) if n == grid[0] * grid[1]]
     if len(image) != 1:

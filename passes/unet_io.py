@@ -26,7 +26,7 @@ from tome_compile.passes.dataflow import (
 from tome_compile.passes.sites import _static, pass_spans, pass_starts, size_hint
 from torch import fx
 
-__all__ = ["UNetIO", "UNetPass", "find_unet_io"]
+__all__ = ["UNetIO", "UNetPass", "find_unet_io", "packed_grid"]
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,9 @@ def find_unet_io(gm: fx.GraphModule, any_size: bool = False) -> UNetIO:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     starts = pass_starts(gm)
     sample = _sample_placeholder(starts[-1] if starts else None)
+    packed = packed_grid(gm) if not starts else None
+    if packed is not None:
+        sample = packed[0]
     sample_index = placeholders.index(sample) if sample in placeholders else 0
     timestep, constant = _timestep_source(gm, sample)
     output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -168,9 +171,44 @@ def find_unet_io(gm: fx.GraphModule, any_size: bool = False) -> UNetIO:
                   timestep_constant=constant, output_index=output_index,
                   channel_axis=_channel_axis(gm, flat[output_index]) if flat else 1,
                   noise_channels=_noise_channels(want, node_shape(flat[output_index]) if flat else None),
-                  passes=tuple(_unet_pass(conv, any_size) for conv in starts or [None]),
+                  passes=(tuple(_unet_pass(conv, any_size) for conv in starts or [None]) if packed is None
+                          else (_packed_pass(packed, any_size),)),
                   spans=tuple(pass_spans(gm, starts)),
                   sample_batch=_batch(node_shape(sample) if sample is not None else None))
+
+
+def packed_grid(gm: fx.GraphModule | fx.Graph) -> tuple[fx.Node, fx.Node] | None:
+    """A packed latent's grid (Flux: ``[B, h * w, C]``, no convolution to read ``h`` and ``w`` off):
+    the sample input viewed as ``[B, h, w, C]`` and straight back (what
+    :func:`tome_compile.packed.with_grid` writes into the call). Returns ``(sample, grid view)``,
+    or None."""
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            continue
+        shape = node_shape(node)
+        if shape is None or len(shape) != 3:
+            continue
+        for view in node.users:
+            grid = node_shape(view)
+            if not (is_shape_op(view) and grid is not None and len(grid) == 4 and grid[0] == shape[0]
+                    and grid[3] == shape[2] and grid[1] * grid[2] == shape[1]):
+                continue
+            if any(is_shape_op(u) and node_shape(u) == shape for u in view.users):
+                return node, view
+    return None
+
+
+def _packed_pass(packed: tuple[fx.Node, fx.Node], any_size: bool) -> UNetPass:
+    """The one pass of a packed-latent transformer: its tokens are the grid (patch 1 there)."""
+    sample, view = packed
+    shape = node_shape(view)
+    assert shape is not None
+    h, w = (size_hint(shape[1]), size_hint(shape[2])) if any_size else (shape[1], shape[2])
+    grid = (int(h), int(w)) if isinstance(h, int) and isinstance(w, int) else None
+    batch = node_shape(sample)
+    rows = int(batch[0]) if batch and isinstance(batch[0], int) else None
+    return UNetPass(latent=grid, grid=grid, rows=rows)
 
 
 def _noise_channels(sample: tuple[Any, ...] | None, out: tuple[Any, ...] | None) -> int | None:

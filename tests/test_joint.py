@@ -1,7 +1,8 @@
 """Joint attention (#38): SD3's ``JointTransformerBlock`` concatenates its text and image tokens
 into one attention; the pass merges the image tokens only (the text kept whole), at the
-concatenation of q, k and v, and unmerges the image part of the attention's output. Flux (no
-patch-embedding convolution: its latent comes packed) is reported, not merged."""
+concatenation of q, k and v, and unmerges the image part of the attention's output. Flux's double-
+and single-stream blocks are merged at the attention op (after its rotary embedding), on the grid
+its pipeline gives (its latent comes packed: ``set_packed_grid``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import re
 import pytest
 import torch
 from conftest import call, compiled, tiny_inputs, tiny_unet
-from joint_reference import joint_tome
+from joint_reference import flux_tome, joint_tome
 from tome_compile.passes.dataflow import module_path
 
 import tome_compile
@@ -33,18 +34,20 @@ def tiny_sd3(qk_norm=None, dual_attention_layers=()):
     return model.eval(), inputs
 
 
-def tiny_flux():
+def tiny_flux(grid=(8, 8), batch=1):
+    """Flux's layout, tiny: one double-stream and one single-stream block, a packed ``grid``."""
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(0)
     model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
                                    attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                                    pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
-    grid = torch.arange(64)
-    image_ids = torch.stack([torch.zeros(64), grid // 8, grid % 8], dim=1).float()
-    inputs = dict(hidden_states=torch.randn(1, 64, 16), encoder_hidden_states=torch.randn(1, 5, 32),
-                  pooled_projections=torch.randn(1, 16), timestep=torch.tensor([1.0]), img_ids=image_ids,
-                  txt_ids=torch.zeros(5, 3))
+    h, w = grid
+    tokens = torch.arange(h * w)
+    image_ids = torch.stack([torch.zeros(h * w), tokens // w, tokens % w], dim=1).float()
+    inputs = dict(hidden_states=torch.randn(batch, h * w, 16),
+                  encoder_hidden_states=torch.randn(batch, 5, 32), pooled_projections=torch.randn(batch, 16),
+                  timestep=torch.tensor([1.0] * batch), img_ids=image_ids, txt_ids=torch.zeros(5, 3))
     return model.eval(), inputs
 
 
@@ -167,31 +170,124 @@ def test_apply_on_a_stable_diffusion_3_pipeline(options):
     assert torch.equal(image(), plain)
 
 
-def test_flux_is_reported_not_merged_and_a_unet_has_no_joint_attention():
-    """Flux is not merged yet: its double blocks concatenate q, k, v as ``[B, L, heads, d]`` and
-    its latent comes packed (no patch-embedding convolution gives the grid), its single blocks
-    concatenate before the projections. Both reported, nothing merged, the plain output bit for
-    bit."""
-    model, inputs = tiny_flux()
+def compile_flux(model, grid, ratio=0.5, **options):
+    model = copy.deepcopy(model)
+    tome_compile.set_packed_grid(model, grid)
+    backend = tome_backend(ratio, compiler="eager", **options)
+    return torch.compile(model, backend=backend, fullgraph=True), backend
+
+
+def test_flux_merges_the_image_tokens_after_the_rotary_embedding_and_equals_the_reference():
+    """Flux (a 6x8 packed grid, two images): its double-stream block (q, k, v concatenated, then
+    rotated) and its single-stream block (the streams concatenated before the projections) merge
+    their image tokens at the attention op, each rotated at its own position, the text whole —
+    as the eager reference written from #38's description does; ``blocks=`` selects among both."""
+    grid = (6, 8)
+    model, inputs = tiny_flux(grid, batch=2)
+    merged, backend = compile_flux(model, grid, use_rand=False)
+    out = run(merged, inputs)
+    assert (out - run(flux_tome(model, 0.5, grid), inputs)).abs().max() < 1e-5
+    assert (out - run(model, inputs)).abs().max() > 1e-3  # it does merge
+    (report,) = backend.reports
+    assert [(s.path, s.kind, s.tokens, s.tokens_after, s.grid) for s in report.rewritten] == [
+        ("transformer_blocks.0.attn", "joint-attention", 48, 24, (6, 8)),
+        ("single_transformer_blocks.0.attn", "joint-attention", 48, 24, (6, 8))]
+    assert report.rewritten[0].reason.startswith("joint attention, image 48 → 24, text 5 kept; ")
+    assert report.rewritten[1].reason.startswith(
+        "single-stream joint attention, image 48 → 24, text 5 kept; ")
+    gm = report.graph_module
+    roles = [(n.meta["tome"]["role"], n.meta["tome"]["site"]) for n in gm.graph.nodes
+             if "tome" in n.meta and n.meta["tome"]["role"] in ("merge", "unmerge")]
+    for site in ("transformer_blocks.0.attn", "single_transformer_blocks.0.attn"):
+        assert sorted(r for r, p in roles if p == site) == ["merge"] * 3 + ["unmerge"]
+    merges = [n for n in gm.graph.nodes if n.meta.get("tome", {}).get("role") == "merge"]
+    assert all(n.target is tome_compile.merge.merge_joint for n in merges)
+    assert all(any(u.target is torch._C._nn.scaled_dot_product_attention for u in n.users) for n in merges)
+    # blocks=(1,): the single-stream block alone, as the reference merging it alone
+    single = re.compile(r"^single_transformer_blocks\.\d+$")
+    merged, backend = compile_flux(model, grid, use_rand=False, blocks=(1,))
+    assert (run(merged, inputs) - run(flux_tome(model, 0.5, grid, single), inputs)).abs().max() < 1e-5
+    assert [s.path for s in backend.reports[0].rewritten] == ["single_transformer_blocks.0.attn"]
+    # ratio 0: the plain transformer, bit for bit
+    zero, _ = compile_flux(model, grid, ratio=0.0)
+    assert torch.equal(run(zero, inputs), run(model, inputs))
+
+
+def test_flux_without_its_grid_is_reported_and_another_grid_is_another_graph():
+    """Negative: compiled without its grid, Flux's tokens are not told apart — both blocks reported
+    (the reason names the fix), the plain output bit for bit. A transposed grid (same token count)
+    is another graph, never the first grid's plans. A U-Net shows no joint attention."""
+    model, inputs = tiny_flux((4, 8))
     backend = tome_backend(0.5, compiler="eager")
-    compiled_model = torch.compile(model, backend=backend, fullgraph=True)
-    with pytest.warns(ToMeWarning, match="rewrote nothing: .*joint attention"):
-        got = run(compiled_model, inputs)
+    with pytest.warns(ToMeWarning, match="rewrote nothing: .*set_packed_grid"):
+        got = run(torch.compile(copy.deepcopy(model), backend=backend, fullgraph=True), inputs)
     assert torch.equal(got, run(model, inputs))
     (result,) = backend.reports
-    reasons = {s.path: s.reason for s in result.sites}
     assert {s.kind for s in result.sites} == {"joint-attention"} and not result.rewritten
-    assert reasons == {
-        "transformer_blocks.0.attn": "joint attention over two streams in one sequence (5 + 64 tokens "
-                                     "of image and text, as in SD3 / Flux): not merged yet",
-        "single_transformer_blocks.0.attn": "single-stream joint attention over two streams in one "
-                                            "sequence (5 + 64 tokens of image and text, as in SD3 / Flux): "
-                                            "not merged yet"}
+    assert all("no patch grid to tell its image tokens from its text tokens" in s.reason
+               for s in result.sites)
+    merged, backend = compile_flux(model, (4, 8), use_rand=False)
+    run(merged, inputs)
+    tome_compile.set_packed_grid(merged._orig_mod, (8, 4))
+    transposed = dict(inputs, img_ids=tiny_flux((8, 4))[1]["img_ids"])
+    assert (run(merged, transposed) - run(flux_tome(model, 0.5, (8, 4)), transposed)).abs().max() < 1e-5
+    assert [r.rewritten[0].grid for r in backend.reports] == [(4, 8), (8, 4)]
+    with pytest.raises(tome_compile.ToMeConfigError, match=r"packed grid \(0, 4\): give two positive ints"):
+        tome_compile.set_packed_grid(model, (0, 4))
     # negative: a U-Net's self- and cross-attention are never read as joint attention
     unet = tiny_unet()
     unet_model, unet_backend = compiled(unet, ratio=0.5, use_rand=False)
     call(unet_model, tiny_inputs(unet))
     assert {s.kind for s in unet_backend.reports[0].sites} == {"self-attention", "cross-attention"}
+
+
+def tiny_flux_pipeline():
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    model, _ = tiny_flux()
+    torch.manual_seed(0)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16),
+                        latent_channels=4, norm_num_groups=8, sample_size=32).eval()
+    pipe = FluxPipeline(transformer=model, scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae,
+                        text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None)
+    pipe.set_progress_bar_config(disable=True)
+    g = torch.Generator().manual_seed(0)
+    kwargs = dict(prompt_embeds=torch.randn(1, 5, 32, generator=g),
+                  pooled_prompt_embeds=torch.randn(1, 16, generator=g), height=32, width=48,
+                  num_inference_steps=3, output_type="latent")
+    return pipe, kwargs
+
+
+def test_apply_on_a_flux_pipeline():
+    """As FluxPipeline calls it (a packed 8x12 latent, 3 steps): the grid comes from the pipeline,
+    one graph for every step and image, the same seed gives the same image; the transposed size is
+    another graph on its own grid; two prompts are two images, never a CFG pair — importance says
+    so and makes ToMe plans; remove(pipe) gives the plain pipeline back, bit for bit."""
+    pipe, kwargs = tiny_flux_pipeline()
+
+    def image(**more):
+        return pipe(**{**kwargs, **more}, generator=torch.Generator().manual_seed(1)).images
+
+    plain = image()
+    tome_compile.apply(pipe, 0.5, compiler="eager", seed=3)
+    torch._dynamo.utils.counters.clear()
+    first = image()
+    assert torch.equal(image(), first)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert (first - plain).abs().max() > 1e-3
+    assert [(s.grid, s.tokens_after) for s in pipe.tome.reports[-1].rewritten] == [((8, 12), 48)] * 2
+    assert image(height=48, width=32).shape == (1, 96, 16)
+    assert [s.grid for s in pipe.tome.reports[-1].rewritten] == [(12, 8)] * 2
+    tome_compile.apply(pipe, 0.5, compiler="eager", method="importance", seed=3)
+    two = dict(prompt_embeds=kwargs["prompt_embeds"].repeat(2, 1, 1),
+               pooled_prompt_embeds=kwargs["pooled_prompt_embeds"].repeat(2, 1))
+    with pytest.warns(ToMeWarning, match="importance"):
+        assert image(**two).shape == (2, 96, 16)
+    assert pipe.tome.reports[-1].rewritten
+    tome_compile.remove(pipe)
+    assert torch.equal(image(), plain)
+    assert "forward" not in vars(pipe.transformer) and "_prepare_latent_image_ids" not in vars(pipe)
 
 
 def test_sd3_tome_export_runs_in_onnx_runtime_as_in_pytorch_at_every_size(tmp_path):

@@ -24,6 +24,7 @@ from tome_compile.errors import (
 
 if TYPE_CHECKING:
     from tome_compile.backend import ToMeBackend, ToMeWarning, tome_backend
+    from tome_compile.packed import set_packed_grid
     from tome_compile.passes import ToMeResult, ToMeSite, merge_self_attention
     from tome_compile.pipeline import apply, remove
     from tome_compile.state import generation
@@ -43,6 +44,7 @@ __all__ = [
     "generation",
     "merge_self_attention",
     "remove",
+    "set_packed_grid",
     "tome_backend",
 ]
 
@@ -57,6 +59,7 @@ _LAZY = {
     "merge_self_attention": "tome_compile.passes",
     "apply": "tome_compile.pipeline",
     "remove": "tome_compile.pipeline",
+    "set_packed_grid": "tome_compile.packed",
     "generation": "tome_compile.state",
 }
 

@@ -41,7 +41,9 @@ __all__ = [
     "merge_tokens",
     "merge_tokens_by_heads",
     "oracle_merge_heads",
+    "oracle_merge_joint",
     "oracle_unmerge_joint",
+    "merge_joint",
     "unmerge_joint",
     "oracle_merge",
     "oracle_unmerge",
@@ -432,13 +434,29 @@ def merge_heads(x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor) -> to
     return out * w
 
 
-def _joint_parts(y: torch.Tensor, kept: int, image_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A joint attention's output ``[B, H, T + kept, d]`` split into (image, text) parts, in
-    their order (``image_first``: SD3's image then text; else Flux's text then image)."""
-    total = y.shape[2]
+def _image_text(x: torch.Tensor, n: int, image_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A joint sequence ``[B, H, L, d]`` split into its ``n`` image tokens and the text's, which
+    come after them (``image_first``) or before (Flux's text then image)."""
+    total = x.shape[2]
     if image_first:
-        return y.narrow(2, 0, kept), y.narrow(2, kept, total - kept)
-    return y.narrow(2, total - kept, kept), y.narrow(2, 0, total - kept)
+        return x.narrow(2, 0, n), x.narrow(2, n, total - n)
+    return x.narrow(2, total - n, n), x.narrow(2, 0, total - n)
+
+
+def merge_joint(x: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, image_first: bool) -> torch.Tensor:
+    """A joint attention's queries, keys or values as the attention op reads them, ``[B, H, T + N,
+    d] -> [B, H, T + N - r, d]``: the image tokens merged (:func:`merge_heads`), the text's as they
+    are, the streams in their order (Flux: after its rotary embedding)."""
+    image, text = _image_text(x, slot.shape[1], image_first)
+    merged = merge_heads(image, slot, weight)
+    return torch.cat([merged, text] if image_first else [text, merged], dim=2)
+
+
+def oracle_merge_joint(x: torch.Tensor, r: int, n: int, image_first: bool) -> torch.Tensor:
+    """:func:`merge_joint` for the benchmark bound: the first ``n - r`` of the ``n`` image tokens."""
+    image, text = _image_text(x, n, image_first)
+    image = image[:, :, : n - r]
+    return torch.cat([image, text] if image_first else [text, image], dim=2)
 
 
 def unmerge_joint(y: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, image_first: bool
@@ -447,7 +465,7 @@ def unmerge_joint(y: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, ima
     merged) back to ``[B, H, T + N, d]``: every image token takes its slot's value, the text tokens
     stay as they are, the streams in their order."""
     b, h, _, d = y.shape
-    image, text = _joint_parts(y, weight.shape[1], image_first)
+    image, text = _image_text(y, weight.shape[1], image_first)
     image = image.gather(2, slot[:, None, :, None].expand(b, h, slot.shape[1], d))
     return torch.cat([image, text] if image_first else [text, image], dim=2)
 
@@ -460,7 +478,7 @@ def oracle_merge_heads(x: torch.Tensor, r: int) -> torch.Tensor:
 def oracle_unmerge_joint(y: torch.Tensor, r: int, kept: int, image_first: bool) -> torch.Tensor:
     """:func:`oracle_unmerge` of a joint attention's image part (its ``kept`` tokens repeated back to
     ``kept + r``), the text part as it is."""
-    image, text = _joint_parts(y, kept, image_first)
+    image, text = _image_text(y, kept, image_first)
     image = torch.cat([image, image[:, :, :r]], dim=2)
     return torch.cat([image, text] if image_first else [text, image], dim=2)
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tome_compile import packed
 from tome_compile.backend import ToMeWarning, tome_backend
 from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeConfigError, ToMeModelError
@@ -52,6 +53,10 @@ def guidance_layout(pipe: Any) -> str:
         return "pix2pix"  # [text; image; uncond]
     if "PAG" in name:
         return "pag"  # [uncond; cond; perturbed]
+    if hasattr(type(pipe), "_prepare_latent_image_ids"):
+        # Flux: guidance-distilled (the scale is an input, not a second row); its true CFG runs the
+        # negative prompt as a call of its own: no call's rows are ever a pair
+        return "none"
     return "cfg"
 
 
@@ -238,6 +243,7 @@ def apply(pipe: Any, ratio: float | ToMeConfig | None = None, *, onnx: str | Pat
         object.__setattr__(compiled, "_tome_backend", handle)
         object.__setattr__(compiled, "_tome_original", model)
         setattr(pipe, name, compiled)
+        packed.follow_pipeline(pipe, model)  # Flux: each call's grid (its latent comes packed)
     _mark_generations(pipe, layout)
     object.__setattr__(pipe, "tome", handle)
     return pipe
@@ -291,6 +297,8 @@ def remove(pipe: Any) -> Any:
     original = getattr(getattr(pipe, name), "_tome_original", None)
     if original is not None:
         setattr(pipe, name, original)
+        packed.clear_packed_grid(original)
+    vars(pipe).pop("_prepare_latent_image_ids", None)
     vars(pipe).pop("progress_bar", None)
     vars(pipe).pop("_tome_progress_bar", None)
     return pipe
