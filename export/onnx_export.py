@@ -65,6 +65,7 @@ from tome_compile.config import ToMeConfig
 from tome_compile.errors import ToMeExportError
 from tome_compile.families import ModelFamily, family_of, latent_multiple
 from tome_compile.models import example_inputs
+from tome_compile.packed import set_packed_grid
 
 __all__ = [
     "METADATA_KEY",
@@ -283,8 +284,10 @@ def _prepare(unet: torch.nn.Module, out: Path, config: ToMeConfig, o: ExportOpti
     # blocks need one per image ([B], as PixArtAlphaPipeline sends it).
     inputs.timestep = (inputs.timestep.to(torch.float32) if family.dit
                        else torch.tensor([float(inputs.timestep)], dtype=torch.float32))
+    if inputs.grid is not None:  # Flux: the packed latent's grid, in the traced graph (fixed size)
+        set_packed_grid(unet, inputs.grid)
     multiple = latent_multiple(unet)
-    latent = tuple(inputs.sample.shape[-2:])
+    latent = tuple(inputs.sample.shape[-2:]) if inputs.grid is None else inputs.grid
     if latent[0] % multiple or latent[1] % multiple:  # a DiT would run, cropped to its patch grid
         raise ToMeExportError(f"height={o.height}, width={o.width}: the traced latent "
                               f"{latent[0]}x{latent[1]} must be a multiple of {multiple} (the U-Net's "

@@ -12,8 +12,9 @@ returns torch tensors on the caller's device.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -46,6 +47,8 @@ _NOT_EXPORTED = {
     "timestep_cond": "timestep_cond input (LCM's guidance embedding)",
     "class_labels": "class_labels input",
     "cross_attention_kwargs": "per-call attention arguments (LoRA scale, IP-Adapter: fixed at export)",
+    "joint_attention_kwargs": "per-call attention arguments (LoRA scale, IP-Adapter: fixed at export)",
+    "guidance": "guidance input (Flux.1-dev's distilled guidance scale)",
     "attention_mask": "attention_mask input",
     "encoder_attention_mask": "encoder_attention_mask input",
     "added_time_ids": "added_time_ids input (SVD)",
@@ -151,6 +154,12 @@ class ToMeSession:
         self.dtype = torch.float16 if self.meta.dtype == "float16" else torch.float32
         self.device = torch.device("cpu")
         self.io_binding = self.provider == "CUDAExecutionProvider" if io_binding is None else io_binding
+
+    @contextlib.contextmanager
+    def cache_context(self, name: str) -> Iterator[None]:
+        """What diffusers' Flux pipelines open around each transformer call (the context of its
+        cache hooks): a file runs no such hooks."""
+        yield
 
     @property
     def model(self) -> Any:
@@ -279,7 +288,8 @@ class ToMeSession:
             named.update(self._multiview_kwargs(named.pop("cross_attention_kwargs")))
         for source, values in (("", named), ("added_cond_kwargs", added_cond_kwargs or {})):
             for name, value in values.items():
-                if value is None or (name == "cross_attention_kwargs" and value == {}):
+                unused = name in ("cross_attention_kwargs", "joint_attention_kwargs") and value == {}
+                if value is None or unused:
                     continue  # what diffusers passes for "not used"
                 if name in self._model_inputs:
                     given[name] = value
@@ -355,6 +365,23 @@ class ToMeSession:
                     "for the uncond and cond halves)"
                 )
 
+    def _check_packed_grid(self, feed: dict[str, Any]) -> None:
+        """A packed latent (Flux) has the token count of its grid whichever way round it lies
+        (32x64 and 64x32): the positions it is sent (``img_ids``: each token's row and column) must
+        be the grid the file merges on, or the plans would be another grid's."""
+        ids = feed.get("img_ids")
+        want = tuple(self.meta.latent_hw or ())
+        if ids is None or len(want) != 2:
+            return
+        ids = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+        got = (int(ids[:, 1].max()) + 1, int(ids[:, 2].max()) + 1) if ids.ndim == 2 and ids.shape[0] else None
+        if got != want:
+            shown = f"{got[0]}x{got[1]}" if got else "an empty"
+            raise ToMeExportError(
+                f"img_ids describe {'a ' if got else ''}{shown} token grid; this export merges on "
+                f"the {want[0]}x{want[1]} grid it was traced at (height {16 * want[0]}, width "
+                f"{16 * want[1]} for Flux); export again for another size")
+
     def __call__(self, sample: Any = None, timestep: Any = None, encoder_hidden_states: Any = None,
                  added_cond_kwargs: dict[str, Any] | None = None, return_dict: bool = True, *,
                  hidden_states: Any = None, **named: Any) -> Any:
@@ -374,6 +401,7 @@ class ToMeSession:
         feed = {name: self._feed(name, value) for name, value in given.items() if name != "timestep"}
         feed["timestep"] = self._feed("timestep", timestep)
         self._check_batch(feed)
+        self._check_packed_grid(feed)
         shape = tuple(feed["sample"].shape)
         call = self.driver.begin(None, shape, timestep, layout=self.guidance, keeps_plans=self._keeps_plans,
                                  random=random_destinations(True, shape[0]))

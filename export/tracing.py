@@ -137,12 +137,15 @@ def attention_count(unet: torch.nn.Module, gm: fx.GraphModule, passes: int, dead
     ones nothing reads) that must each become one fused node: all but those with a mask (PixArt's
     text mask on cross-attention keeps the plain ONNX translation: MultiHeadAttention's bias cannot
     broadcast over the queries)."""
+    from diffusers.models.attention import AttentionModuleMixin
     from diffusers.models.attention_processor import Attention
 
     masked = sum(1 for n in sdpa_nodes(gm) if len(n.args) > 3 and n.args[3] is not None
                  or n.kwargs.get("attn_mask") is not None)
     # ``passes``: the multi-view wrapper runs its U-Net twice
-    return sum(isinstance(m, Attention) for m in unet.modules()) * passes - dead - masked
+    # Flux's FluxAttention is an AttentionModuleMixin, not an Attention
+    modules = sum(isinstance(m, (Attention, AttentionModuleMixin)) for m in unet.modules())
+    return modules * passes - dead - masked
 
 
 def size_axes(multiple: int, max_latent: int = 1024) -> dict[str, Any]:

@@ -339,3 +339,39 @@ def test_sd3_tome_export_runs_in_onnx_runtime_as_in_pytorch_at_every_size(tmp_pa
                                               r"a multiple of 2 \(the U-Net's downsampling, a DiT's patch"):
         export_onnx(model, tmp_path / "off.onnx", ToMeConfig(0.5), height=120, width=128, seq_len=5)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sd3.onnx", "sd3.onnx.data"]
+
+
+def test_flux_tome_export_runs_in_onnx_runtime_and_as_its_pipelines_transformer(tmp_path):
+    """tome-export of a Flux transformer (a fixed size: the grid is traced in): both blocks
+    rewritten and fused, the rotary embedding in the graph; the file through ToMeSession equals
+    the backend, and as FluxPipeline's transformer the compiled pipeline. Negative: the transposed
+    grid (the same token count) is refused in one line, never merged on the traced grid."""
+    from tome_compile.export import export_onnx
+    from tome_compile.export.session import ToMeSession
+
+    from tome_compile import ToMeConfig, ToMeExportError
+
+    pipe, kwargs = tiny_flux_pipeline()
+    model = copy.deepcopy(pipe.transformer)
+    # the tiny pipeline's VAE downsamples 2x: its 32x48 image is the 8x12 grid of a 128x192 Flux image
+    result = export_onnx(pipe.transformer, tmp_path / "flux.onnx", ToMeConfig(0.5, use_rand=False),
+                         height=128, width=192, batch=1, seq_len=5)
+    assert [(s.path, s.tokens, s.tokens_after) for s in result.report.rewritten] == [
+        ("transformer_blocks.0.attn", 96, 48), ("single_transformer_blocks.0.attn", 96, 48)]
+    assert result.fused_attention == 2 and result.parity_max_abs < 1e-4
+    assert result.input_names == ["sample", "timestep", "encoder_hidden_states", "pooled_projections",
+                                  "img_ids", "txt_ids"]
+    session = ToMeSession(result.path)
+    _, inputs = tiny_flux((8, 12))
+    merged, _ = compile_flux(model, (8, 12), use_rand=False)
+    got = session(**inputs, return_dict=False)[0]
+    assert (got - run(merged, inputs)).abs().max() < 1e-4
+    assert (got - run(model, inputs)).abs().max() > 1e-3
+    with pytest.raises(ToMeExportError, match=r"^img_ids describe a 12x8 token grid; this export merges on "
+                                              r"the 8x12 grid it was traced at"):
+        session(**tiny_flux((12, 8))[1])
+    tome_compile.apply(pipe, onnx=result.path)
+    compiled_pipe, _ = tiny_flux_pipeline()
+    tome_compile.apply(compiled_pipe, 0.5, compiler="eager", use_rand=False)
+    images = [p(**kwargs, generator=torch.Generator().manual_seed(1)).images for p in (pipe, compiled_pipe)]
+    assert images[0].shape == (1, 96, 16) and (images[0] - images[1]).abs().max() < 1e-4

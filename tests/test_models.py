@@ -63,7 +63,7 @@ def test_each_family_describes_its_inputs_once():
     """#33: one record per model family (tome_compile.families), read by the example inputs, the
     export's tracing / dynamic axes / metadata / batch-1 check and ToMeSession's refusals."""
     from conftest import tiny_pixart, tiny_video_unet
-    from test_joint import tiny_sd3
+    from test_joint import tiny_flux, tiny_sd3
     from zero123_reference import tiny_zero123
 
     from tome_compile.families import family_of, needs
@@ -71,7 +71,7 @@ def test_each_family_describes_its_inputs_once():
 
     models = {"unet": tiny_unet("sd15"), "sdxl": tiny_unet("sdxl"), "pixart": tiny_pixart(),
               "animatediff": tiny_video_unet("animatediff"), "svd": tiny_video_unet("svd"),
-              "multiview": MultiViewExport(tiny_zero123()), "sd3": tiny_sd3()[0]}
+              "multiview": MultiViewExport(tiny_zero123()), "sd3": tiny_sd3()[0], "flux": tiny_flux()[0]}
     for name, model in models.items():
         family = family_of(model)
         assert family.name == name
@@ -88,5 +88,10 @@ def test_each_family_describes_its_inputs_once():
     sd3 = example_inputs(models["sd3"], batch=1, height=128, width=128)
     assert family_of(models["sd3"]).names[3:] == ["pooled_projections"]
     assert sd3.encoder_hidden_states.shape == (1, 333, 32) and sd3.sample.shape == (1, 4, 16, 16)
+    # Flux: the packed latent (16 pixels a token), the tokens' positions, 512 T5 tokens by default
+    flux = example_inputs(models["flux"], batch=1, height=128, width=192)
+    assert family_of(models["flux"]).names[3:] == ["pooled_projections", "img_ids", "txt_ids"]
+    assert flux.sample.shape == (1, 96, 16) and flux.grid == (8, 12) and flux.txt_ids.shape == (512, 3)
+    assert flux.img_ids[13].tolist() == [0.0, 1.0, 1.0]  # row 1, column 1 of the 8x12 grid
     assert needs("time_ids") == "added_cond_kwargs['time_ids'] (SDXL's size and crop conditioning)"
     assert needs("not_an_input") == "not_an_input"  # negative: an unknown name is said as it is

@@ -43,6 +43,7 @@ from tome_compile.backend import ToMeBackend
 from tome_compile.config import ToMeConfig, parse_blocks
 from tome_compile.errors import ToMeError
 from tome_compile.models import example_inputs, is_dit, load_unet, video_layout
+from tome_compile.packed import set_packed_grid
 
 __all__ = ["main", "run_benchmark"]
 
@@ -184,6 +185,8 @@ def run_size(unet: torch.nn.Module, size: int, args: argparse.Namespace, config:
         )
         kwargs = inputs.kwargs()
         sample = kwargs.pop("hidden_states" if inputs.dit else "sample")
+        if inputs.grid is not None:  # Flux: its packed latent's grid, as its pipeline gives it
+            set_packed_grid(unet, inputs.grid)
     torch._dynamo.reset()
     models, backends = _variants(unet, args.variants, config)
     results = {name: VariantResult(name) for name in models}
@@ -397,8 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model",
         default="sd15",
-        help="sd15 | sd21 | sdxl | animatediff | svd | pixart | sd3 | zero123 (the Zero123++ wrapper "
-        "around sd21: --sizes is one view's size, 320: 960 x 640 tiled) | a local diffusers folder",
+        help="sd15 | sd21 | sdxl | animatediff | svd | pixart | sd3 | flux (FLUX.1-dev at full width, 1 + 2 "
+        "blocks) | zero123 (the Zero123++ wrapper around sd21: --sizes is one view's size, 320: 960 x 640 "
+        "tiled) | a local diffusers folder",
     )
     parser.add_argument("--frames", type=positive_int, default=None,
                         help="video U-Nets: frames per video (16 / 25)")

@@ -75,6 +75,10 @@ class ModelFamily:
     any_size: bool = False
     # the text tokens its pipeline sends (CLIP's 77; SD3: 77 CLIP + 256 T5): example inputs' default
     text_tokens: int = 77
+    # its latent comes packed, ``[B, h * w, C]`` (Flux): the grid is given to the call
+    # (:func:`tome_compile.packed.set_packed_grid`); ``scale``: image pixels per latent token
+    packed: bool = False
+    scale: int = 8
 
     @property
     def names(self) -> list[str]:
@@ -129,6 +133,15 @@ PIXART_SIZED = PIXART.with_inputs(  # PixArt-α 1024: resolution and aspect-rati
 SD3 = ModelFamily("sd3", (_LATENT, _TIMESTEP, _TEXT, ModelInput(
     "pooled_projections", True, "pooled_projections [B, D] (SD3's pooled text embedding)")),
     dit=True, dynamic_batch=False, text_tokens=333, any_size=True)  # keeps its batch, as PixArt's
+FLUX = ModelFamily("flux", (
+    ModelInput("sample", True, "hidden_states [B, h * w, C] (the packed latent)", call="hidden_states"),
+    _TIMESTEP, _TEXT,
+    ModelInput("pooled_projections", True, "pooled_projections [B, D] (Flux's pooled CLIP embedding)"),
+    ModelInput("img_ids", False, "img_ids [h * w, 3] (the latent tokens' positions)"),
+    ModelInput("txt_ids", False, "txt_ids [L, 3] (the text tokens' positions)")),
+    dit=True, dynamic_batch=False, text_tokens=512, packed=True, scale=16)
+FLUX_DEV = FLUX.with_inputs(  # guidance-distilled (Flux.1-dev): the guidance scale is an input
+    "flux-dev", ModelInput("guidance", True, "guidance [B] (Flux.1-dev's distilled guidance scale)"))
 MULTIVIEW = UNET.with_inputs(  # Zero123++'s two-pass wrapper around its U-Net
     "multiview",
     ModelInput("cond_lat", True, "cross_attention_kwargs={'cond_lat': ...} (multi-view: the condition "
@@ -136,7 +149,7 @@ MULTIVIEW = UNET.with_inputs(  # Zero123++'s two-pass wrapper around its U-Net
     ModelInput("noise", True, "the condition latent's noise (drawn as the wrapper draws it)", drawn=True),
     multiview=True, any_size=False,  # any size: not built yet (the condition latent's size too)
 )
-FAMILIES = (UNET, SDXL, LCM, ANIMATEDIFF, SVD, PIXART, PIXART_SIZED, SD3, MULTIVIEW)
+FAMILIES = (UNET, SDXL, LCM, ANIMATEDIFF, SVD, PIXART, PIXART_SIZED, SD3, FLUX, FLUX_DEV, MULTIVIEW)
 
 
 def family_of(model: Any) -> ModelFamily:
@@ -148,6 +161,8 @@ def family_of(model: Any) -> ModelFamily:
         return PIXART_SIZED if getattr(model, "use_additional_conditions", False) else PIXART
     if kind == "SD3Transformer2DModel":
         return SD3
+    if kind == "FluxTransformer2DModel":
+        return FLUX_DEV if getattr(getattr(model, "config", None), "guidance_embeds", False) else FLUX
     if kind == "UNetMotionModel":
         return ANIMATEDIFF
     if kind == "UNetSpatioTemporalConditionModel":

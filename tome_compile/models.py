@@ -36,12 +36,12 @@ __all__ = [
 
 logger = logging.getLogger("tome_compile")
 
-ARCHITECTURES = ("sd15", "sd21", "sdxl", "animatediff", "svd", "pixart", "sd3")
+ARCHITECTURES = ("sd15", "sd21", "sdxl", "animatediff", "svd", "pixart", "sd3", "flux")
 SHAPES = "shapes"  # load_unet: the U-Net of the shipped shapes model (for tome-export, tome-serve --onnx)
 # The denoisers the pass knows, by diffusers class name: image U-Nets, video U-Nets, DiTs (SD3's
 # joint attention).
 MODEL_CLASSES = ("UNet2DConditionModel", "UNetMotionModel", "UNetSpatioTemporalConditionModel",
-                 "PixArtTransformer2DModel", "SD3Transformer2DModel")
+                 "PixArtTransformer2DModel", "SD3Transformer2DModel", "FluxTransformer2DModel")
 
 
 def _shipped(name: str) -> dict[str, Any]:
@@ -168,7 +168,11 @@ class UNetInputs:
     resolution: torch.Tensor | None = None
     aspect_ratio: torch.Tensor | None = None
     timestep_cond: torch.Tensor | None = None  # LCM: the guidance-scale embedding
-    pooled_projections: torch.Tensor | None = None  # SD3: the pooled text embedding
+    pooled_projections: torch.Tensor | None = None  # SD3, Flux: the pooled text embedding
+    img_ids: torch.Tensor | None = None  # Flux: the positions of the latent's tokens and the text's
+    txt_ids: torch.Tensor | None = None
+    guidance: torch.Tensor | None = None  # Flux.1-dev: the distilled guidance scale per image
+    grid: tuple[int, int] | None = None  # Flux: the packed latent's (h, w) (set_packed_grid)
     cond_lat: torch.Tensor | None = None  # multi-view (Zero123++): the condition view's latent
     noise: torch.Tensor | None = None  # and the noise the wrapper adds to it
 
@@ -203,6 +207,8 @@ def unet_input_names(unet: torch.nn.Module) -> list[str]:
 
 
 def _spatial_scale(unet: torch.nn.Module) -> int:
+    if family_of(unet).packed:  # Flux: 8x VAE, then 2x2 latent patches packed into each token
+        return family_of(unet).scale
     # Latent models (4 latent channels in or out: inpainting and SVD take 9 / 8, PixArt returns 8;
     # SD3's VAE has 16) work at 1/8 of the image; pixel-space models at 1/1.
     cfg = unet.config
@@ -257,6 +263,8 @@ def _example_values(unet: torch.nn.Module, *, batch: int, height: int, width: in
     if layout is not None:
         return _video_inputs(unet, layout, batch, frames or DEFAULT_FRAMES[layout], height // scale,
                              width // scale, seq_len, g, device, dtype)
+    if family_of(unet).packed:
+        return _packed_inputs(unet, batch, height // scale, width // scale, seq_len, g, device, dtype)
     sample = torch.randn(batch, cfg.in_channels, height // scale, width // scale, generator=g)
     if family_of(unet).name == "sd3":  # as StableDiffusion3Pipeline calls it: one timestep per image
         return UNetInputs(
@@ -291,6 +299,26 @@ def _example_values(unet: torch.nn.Module, *, batch: int, height: int, width: in
     if getattr(cfg, "time_cond_proj_dim", None):  # LCM: w-embedding of its guidance scale
         inputs.timestep_cond = torch.randn(batch, cfg.time_cond_proj_dim, generator=g).to(device, dtype)
     return inputs
+
+
+def _packed_inputs(unet: torch.nn.Module, batch: int, h: int, w: int, seq_len: int, g: torch.Generator,
+                   device: str | torch.device, dtype: torch.dtype) -> UNetInputs:
+    """Flux, as FluxPipeline calls it: the packed latent ``[B, h * w, C]``, one timestep per image
+    (``t / 1000``), T5 embeddings and the pooled CLIP one, the tokens' positions (row and column
+    of each latent token; zeros for the text), and Flux.1-dev's guidance scale."""
+    cfg = unet.config
+    rows = torch.arange(h * w)
+    ids = torch.stack([torch.zeros(h * w), rows // w, rows % w], dim=1)
+    return UNetInputs(
+        torch.randn(batch, h * w, cfg.in_channels, generator=g).to(device, dtype),
+        torch.full((batch,), 1.0, device=device),
+        torch.randn(batch, seq_len, cfg.joint_attention_dim, generator=g).to(device, dtype),
+        dit=True,
+        pooled_projections=torch.randn(batch, cfg.pooled_projection_dim, generator=g).to(device, dtype),
+        img_ids=ids.to(device, dtype), txt_ids=torch.zeros(seq_len, 3, device=device, dtype=dtype),
+        guidance=torch.full((batch,), 3.5, device=device) if cfg.guidance_embeds else None,
+        grid=(h, w),
+    )
 
 
 # AnimateDiff's pipelines default to 16 frames; SVD-XT to 25 (SVD: 14)
