@@ -116,7 +116,9 @@ def _targets(site: _sites.AttentionSite, found: list[_sites.AttentionSite], grap
             name = _short(c.path, block)
             out.append(Target(input=c.input, output=c.output, region=tuple(c.nodes), path=c.path, name=name,
                               bakes_tokens=name in classic))
-    if config.merge_mlp:
+    # a single-stream joint block (Flux) has no MLP of its own: proj_mlp runs beside the attention,
+    # on the concatenated streams; its attention is still merged
+    if config.merge_mlp and not (site.joint is not None and site.joint.single):
         ff = _sites.region_nodes(graph, block + ".ff", site.span)
         exits = _sites.region_exits(ff)
         inside = set(ff)

@@ -30,14 +30,11 @@ import torch
 from tome_compile.passes.dataflow import (
     CONV_OPS,
     LAYER_NORM_OPS,
-    JointStreams,
     common_path,
     descends,
     describe,
     entry,
     is_call,
-    joint_parts,
-    joint_streams,
     module_path,
     node_shape,
     output_projection,
@@ -46,6 +43,7 @@ from tome_compile.passes.dataflow import (
     readers,
     reference_of,
 )
+from tome_compile.passes.joint import JointStreams, joint_parts, joint_streams
 from torch import fx
 
 __all__ = [
