@@ -39,7 +39,7 @@ def check_opset(opset: int) -> int:
 
 def convert_to_onnx(gm: fx.GraphModule, example: tuple[torch.Tensor, ...], input_names: list[str], opset: int,
              dynamic_shapes: tuple[Any, ...] | None, portable: bool, output_names: list[str],
-             any_size: bool = False) -> Any:
+             any_size: bool = False, pairs: bool = False) -> Any:
     from tome_compile.export.attention import attention_translation_table
 
     # The exporter tries several capture strategies; a failed one (importance's torch.cond under
@@ -48,7 +48,10 @@ def convert_to_onnx(gm: fx.GraphModule, example: tuple[torch.Tensor, ...], input
     chatter = io.StringIO()
     try:
         with contextlib.redirect_stderr(chatter):
-            captured = _captured(gm, example, dynamic_shapes) if any_size else gm
+            # an importance export for any batch of CFG pairs: its plans' sizes guard the pairs to a
+            # range narrower than the declared axis, which torch.export refuses (about 20 s to find
+            # out on a tiny U-Net); the exporter's own strategies end in draft_export, which keeps it
+            captured = _captured(gm, example, dynamic_shapes) if any_size and not pairs else gm
             program = torch.onnx.export(
                 captured, example, dynamo=True, opset_version=opset, input_names=input_names,
                 output_names=output_names, dynamic_shapes=dynamic_shapes, external_data=True, verbose=False,

@@ -335,7 +335,8 @@ def _stage_convert(run: _Run) -> None:
     attentions = attention_count(run.unet, gm, len(run.io.passes), run.dead_attentions)
     program = convert_to_onnx(gm, run.args + tuple(run.extra), run.input_names, o.opset,
                        _dynamic_shapes(run), o.portable,
-                       [OUTPUT_NAME] + [spec.name for spec in result.outputs], any_size=run.sizes is not None)
+                       [OUTPUT_NAME] + [spec.name for spec in result.outputs], any_size=run.sizes is not None,
+                       pairs=run.pairs)
     run.post = postprocess(program, result, o.fp16, attentions, o.portable, run.dynamic)
     replace(_metadata(run), **run.post).write(program.model)
     run.model = run.tmp / run.out.name

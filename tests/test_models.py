@@ -41,7 +41,7 @@ def test_load_unet_and_pipeline_folders(tmp_path):
 
 @pytest.mark.parametrize("spec, words", [
     ("/nonexistent/model", "not found"),
-    ("flux", "not found"),
+    ("sd4", "not found"),
 ])
 def test_load_unet_errors(spec, words):
     with pytest.raises(ToMeModelError, match=words):
@@ -56,7 +56,7 @@ def test_folder_without_config(tmp_path):
 
 def test_unknown_architecture_name():
     with pytest.raises(ToMeModelError, match="built-in ones are"):
-        architecture_config("flux")
+        architecture_config("sd4")
 
 
 def test_each_family_describes_its_inputs_once():
