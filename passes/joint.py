@@ -5,6 +5,7 @@ before one projection: Flux's single blocks). Checks only, no rewriting."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,19 +81,25 @@ def _cat_parts(node: Any) -> tuple[list[fx.Node], int] | None:
     return list(parts), dim
 
 
-def _linear_above(node: Any, limit: int = 24) -> fx.Node | None:
-    """The linear projection ``node`` is computed from (through norms, rotary products and shape
-    ops: the first input of each node), or None."""
+def _first_above(node: Any, found: Callable[[fx.Node], bool], limit: int,
+                 stop: Callable[[fx.Node], bool] = lambda n: False) -> fx.Node | None:
+    """The first node ``found`` accepts on the way up from ``node`` (through norms, rotary products
+    and shape ops: the first input of each node), or None (a node ``stop`` accepts, or no input,
+    on the way)."""
     for _ in range(limit):
         if not isinstance(node, fx.Node):
             return None
-        if is_call(node, LINEAR_OPS):
+        if found(node):
             return node
-        inputs = node.all_input_nodes
-        if not inputs:
+        if stop(node) or not node.all_input_nodes:
             return None
-        node = inputs[0]
+        node = node.all_input_nodes[0]
     return None
+
+
+def _linear_above(node: Any, limit: int = 24) -> fx.Node | None:
+    """The linear projection ``node`` is computed from, or None."""
+    return _first_above(node, lambda n: is_call(n, LINEAR_OPS), limit)
 
 
 def same_size(a: Any, b: Any) -> bool:
@@ -104,18 +111,9 @@ def same_size(a: Any, b: Any) -> bool:
 
 
 def _cat_above(node: Any, limit: int = 24) -> fx.Node | None:
-    """The concatenation ``node`` is computed from, before any linear (through rotary products,
-    norms, casts and shape ops: the first input of each node), or None."""
-    for _ in range(limit):
-        if not isinstance(node, fx.Node) or is_call(node, LINEAR_OPS):
-            return None
-        if _cat_parts(node) is not None:
-            return node
-        inputs = node.all_input_nodes
-        if not inputs:
-            return None
-        node = inputs[0]
-    return None
+    """The concatenation ``node`` is computed from, before any linear, or None."""
+    return _first_above(node, lambda n: _cat_parts(n) is not None, limit,
+                        stop=lambda n: is_call(n, LINEAR_OPS))
 
 
 def _token_axis(cat: fx.Node, dim: int, op_tokens: Any) -> bool:

@@ -209,7 +209,8 @@ def _merge_joint(graph: fx.Graph, plan: BlockPlan, after: fx.Node, slot: fx.Node
     streams, image = site.joint, site.image
     assert streams is not None and image is not None
     linears = _plain_projections(plan) if not streams.single else None
-    at_cats = not streams.single and tuple(qkv(site.anchor)[:3]) == tuple(streams.cats)  # type: ignore[index]
+    read = tuple(qkv(site.anchor)[:3])  # type: ignore[index]  # what the attention op reads
+    at_cats = not streams.single and read == tuple(streams.cats)
     if linears is not None:
         with graph.inserting_after(after):
             if slot is not None:
@@ -230,7 +231,7 @@ def _merge_joint(graph: fx.Graph, plan: BlockPlan, after: fx.Node, slot: fx.Node
             parts[image] = _tag(merged, site.path, "merge")
             cat.args = (parts, *cat.args[1:])
     else:
-        for t in dict.fromkeys(qkv(site.anchor)[:3]):  # type: ignore[index]
+        for t in dict.fromkeys(read):
             with graph.inserting_before(site.anchor):
                 if slot is not None:
                     merged = graph.call_function(_merge.merge_joint, (t, slot, weight, image == 0))

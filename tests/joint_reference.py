@@ -66,6 +66,11 @@ class JointToMeReference:
         return attn.to_out[1](attn.to_out[0](image)), text
 
 
+def _keep_metric(block: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The block's image input, tomesd's metric, kept for its attention's reference processor."""
+    block._metric = args[0] if args else kwargs["hidden_states"]
+
+
 def joint_tome(model: torch.nn.Module, ratio: float, select: re.Pattern[str] = EVERY_BLOCK
                ) -> torch.nn.Module:
     """A copy of an SD3 transformer whose blocks ``select`` matches merge their image tokens."""
@@ -80,10 +85,7 @@ def joint_tome(model: torch.nn.Module, ratio: float, select: re.Pattern[str] = E
     ref.register_forward_pre_hook(size, with_kwargs=True)
     for name, block in ref.named_modules():
         if select.search(name):
-            def keep(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-                module._metric = args[0] if args else kwargs["hidden_states"]
-
-            block.register_forward_pre_hook(keep, with_kwargs=True)
+            block.register_forward_pre_hook(_keep_metric, with_kwargs=True)
             block.attn.set_processor(JointToMeReference(block, grid, ratio))
             if getattr(block, "attn2", None) is not None:  # SD3.5's image-only self-attention: tomesd's
                 block.attn2 = _PerFrameAttention(block.attn2, block, grid, ratio)
@@ -152,9 +154,6 @@ def flux_tome(model: torch.nn.Module, ratio: float, grid: tuple[int, int],
     ref = copy.deepcopy(model)
     for name, block in ref.named_modules():
         if select.search(name):
-            def keep(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-                module._metric = args[0] if args else kwargs["hidden_states"]
-
-            block.register_forward_pre_hook(keep, with_kwargs=True)
+            block.register_forward_pre_hook(_keep_metric, with_kwargs=True)
             block.attn.set_processor(FluxToMeReference(block, grid, ratio))
     return ref

@@ -122,14 +122,21 @@ def test_sd3_oracle_and_todo():
     assert torch.equal(out, run(model, inputs))
 
 
+def tiny_vae():
+    """A 2-stage VAE of 4 latent channels (the tiny pipelines' latent: 1/2 of the image)."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                         up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16),
+                         latent_channels=4, norm_num_groups=8, sample_size=32).eval()
+
+
 def tiny_sd3_pipeline():
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
     model, _ = tiny_sd3()
-    torch.manual_seed(0)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16),
-                        latent_channels=4, norm_num_groups=8, sample_size=32).eval()
+    vae = tiny_vae()
     pipe = StableDiffusion3Pipeline(transformer=model, scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae,
                                     text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
                                     text_encoder_3=None, tokenizer_3=None)
@@ -242,13 +249,10 @@ def test_flux_without_its_grid_is_reported_and_another_grid_is_another_graph():
 
 
 def tiny_flux_pipeline():
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
     model, _ = tiny_flux()
-    torch.manual_seed(0)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16),
-                        latent_channels=4, norm_num_groups=8, sample_size=32).eval()
+    vae = tiny_vae()
     pipe = FluxPipeline(transformer=model, scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae,
                         text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None)
     pipe.set_progress_bar_config(disable=True)

@@ -3,7 +3,7 @@ C]`` (2x2 latent patches packed into channels), so no convolution tells the pass
 and ``h * w`` alone does not (32x64 and 64x32 have the same tokens). The pipeline knows them: it
 builds the positions (``_prepare_latent_image_ids(batch, h, w, ...)``) of every call.
 
-:func:`set_packed_grid` tells the transformer the grid of its next calls; a forward pre-hook then
+:func:`set_packed_grid` tells the transformer the grid of its next calls; its ``forward`` then
 views the latent as ``[B, h, w, C]`` and straight back (:func:`with_grid`: no copy, the same
 numbers). Traced, those two views are where the pass reads the grid
 (:func:`tome_compile.passes.unet_io.packed_grid`), and Dynamo guards on the grid it read: another
